@@ -1,0 +1,175 @@
+"""Drive an :class:`LLMEngine` from asyncio without ever blocking the event loop.
+
+The engine lives in one dedicated thread that alternates between running queued commands
+(add, abort, KV import/export: anything that touches engine state) and ``step()``. Outputs
+are handed to the event loop with ``call_soon_threadsafe`` and fanned out to per-request
+queues. Torch releases the GIL in its kernels, so the loop stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from edgeinfer.daemon.engine.errors import EngineError
+from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.outputs import RequestOutput
+from edgeinfer.daemon.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_IDLE_WAIT_S = 0.05
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.fatal_error: BaseException | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- commands -------------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` in the engine thread between two steps and await its result."""
+        if self.fatal_error is not None or not self.is_alive:
+            raise EngineError("the engine is not running") from self.fatal_error
+        fut: Future[T] = Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+        """Register where outputs of ``request_id`` go (before the request is added)."""
+        if request_id in self._streams:
+            raise EngineError(f"request id {request_id!r} is already streaming")
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; closing the iterator early aborts it."""
+        q = self.open_stream(request_id)
+        finished = False
+        try:
+            await self.call(
+                lambda e: e.add_request(request_id, prompt, params, prefill_only=prefill_only)
+            )
+            async for out in self.iterate(q):
+                finished = out.finished
+                yield out
+        finally:
+            self.close_stream(request_id)
+            if not finished and self.is_alive:
+                await self.call(lambda e: e.abort_request(request_id))
+
+    @staticmethod
+    async def iterate(
+        q: asyncio.Queue[RequestOutput | BaseException],
+    ) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    # ---- engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._deliver(outputs)
+                else:
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+        except BaseException as exc:  # a bug in a step: fail every request, loudly
+            log.exception("engine thread crashed")
+            self.fatal_error = exc
+            self._fail_all(exc)
+        finally:
+            self._drain_commands(EngineError("the engine stopped"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _drain_commands(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fan_out, outputs)
+
+    def _fan_out(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        if self._loop is None:
+            return
+
+        def fail() -> None:
+            for q in self._streams.values():
+                q.put_nowait(EngineError(f"engine failure: {exc}"))
+
+        self._loop.call_soon_threadsafe(fail)

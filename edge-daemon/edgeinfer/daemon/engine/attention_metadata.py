@@ -1,0 +1,29 @@
+"""What one forward step needs to know about the paged KV layout of its tokens.
+
+The step's new tokens are flattened into one ``[T]`` batch: first one token per decoding
+sequence (batched through paged decode attention), then each prefill chunk (attended one
+sequence at a time, causally over that sequence's cached prefix plus the chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first index of the chunk in the flat token batch
+    length: int
+    start_pos: int  # position of the chunk's first token in its sequence
+    block_table: torch.Tensor  # [num_blocks] int32, covers start_pos + length tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [B_dec, max_blocks] int32
+    decode_context_lens: torch.Tensor | None = None  # [B_dec] int32, including the new token
+    prefills: list[PrefillSegment] = field(default_factory=list)

@@ -1,0 +1,61 @@
+"""Engine settings. The daemon's config embeds these; defaults live here only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from edgeinfer.daemon.engine.errors import EngineError
+from edgeinfer.daemon.engine.model_config import ModelConfig
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a directory, "tiny", or None for the built-in default model
+    dtype: DType = "auto"
+    device: str = "auto"  # "auto" picks cuda when present
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None  # overrides the byte budget (tests, benchmarks)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    show_progress: bool | None = None  # None: only on a terminal
+    num_threads: int | None = None  # torch intra-op threads on the CPU
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise EngineError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise EngineError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise EngineError(
+                f"max_num_batched_tokens must be >= block_size ({self.block_size}), "
+                f"got {self.max_num_batched_tokens}"
+            )
+        if self.dtype not in ("auto", *_DTYPES):
+            raise EngineError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.device == "auto":
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+
+    def resolve_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if torch.device(self.device).type == "cpu":
+            # Half-precision matmuls are slow on most CPUs; float32 is also HF's CPU default.
+            return torch.float32
+        return _DTYPES.get(model_cfg.torch_dtype or "bfloat16", torch.bfloat16)
+
+    def resolve_max_model_len(self, model_cfg: ModelConfig) -> int:
+        if self.max_model_len is not None:
+            return min(self.max_model_len, model_cfg.max_position_embeddings)
+        return min(model_cfg.max_position_embeddings, 32768)

@@ -1,0 +1,375 @@
+"""The engine: a step-wise API over scheduler, block manager, model runner and sampler.
+
+Single-threaded by design: one owner (a thread of the daemon, a benchmark loop) calls
+``add_request``/``abort_request``/``step`` and the disaggregation calls; :mod:`async_engine`
+wraps it for asyncio. Disaggregated serving splits a request across two engines:
+
+* prefill side: ``add_request(..., prefill_only=True)``; each step's output says how many
+  leading KV blocks are complete (``kv_blocks_ready``) so ``export_kv`` can ship them while
+  later chunks compute; the request ends ``prefilled`` with its first token and holds its
+  blocks until ``release``.
+* decode side: ``reserve_remote`` allocates blocks (reusing its own prefix cache and saying how
+  many tokens it already holds), ``import_kv`` writes arriving pages, ``commit_remote`` adds
+  the first token and starts decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from edgeinfer.daemon.engine.block_manager import BlockManager
+from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.default_model import resolve_model
+from edgeinfer.daemon.engine.errors import EngineError, InvalidRequestError
+from edgeinfer.daemon.engine.model_config import ModelConfig
+from edgeinfer.daemon.engine.model_runner import ModelRunner
+from edgeinfer.daemon.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from edgeinfer.daemon.engine.request_state import RequestState
+from edgeinfer.daemon.engine.sampler import Sampler, SamplingState
+from edgeinfer.daemon.engine.sampling_params import SamplingParams
+from edgeinfer.daemon.engine.scheduler import Scheduler
+from edgeinfer.daemon.engine.sequence import FinishReason, Sequence, SequenceStatus
+from edgeinfer.daemon.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    """A finished request, as the synchronous :meth:`LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(config.model, show_progress=config.show_progress)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.runner = ModelRunner(config, self.model_config, self.model_dir)
+        self.max_model_len = config.resolve_max_model_len(self.model_config)
+        self.block_manager = BlockManager(
+            self.runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._requests: dict[str, RequestState] = {}
+        self._num_preemptions = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    @property
+    def kv_layout(self):
+        return self.runner.layout
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        prefill_only: bool = False,
+    ) -> int:
+        """Queue a request; returns its prompt length in tokens."""
+        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
+        self._requests[request_id] = req
+        self.scheduler.add(req.seq)
+        return req.seq.num_prompt_tokens
+
+    def _new_request(
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams, prefill_only: bool
+    ) -> RequestState:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(ids, params, prefill_only)
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=ids,
+            params=params,
+            sampling=SamplingState(params, ids, self.eos_token_ids),
+            prefill_only=prefill_only,
+        )
+        return RequestState(seq, self.tokenizer)
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams, prefill_only: bool) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab})", param="prompt"
+            )
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt is {n} tokens but the model's context is {self.max_model_len} tokens",
+                param="prompt",
+            )
+        want = 1 if prefill_only else params.max_tokens
+        if n + want > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} with a {n}-token prompt exceeds the "
+                f"{self.max_model_len}-token context (at most {self.max_model_len - n})",
+                param="max_tokens",
+            )
+        need = self.block_manager.blocks_for(n + want)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {need} KV blocks but the cache holds "
+                f"{self.block_manager.num_blocks}",
+                param="max_tokens",
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at once and free its blocks; None if it is unknown or over."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, FinishReason.ABORT, None, RequestOutput(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self._num_preemptions += len(batch.preempted)
+        if not batch:
+            return []
+        logits, samplers = self.runner.execute(batch)
+        for seq, n in batch.entries:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        outputs: list[RequestOutput] = []
+        if samplers:
+            result = self.sampler.sample(logits, [s.sampling for s in samplers])
+            for i, seq in enumerate(samplers):
+                top = result.top_logprobs[i]
+                lp = result.logprobs[i]
+                logprob = (
+                    None if lp is None else TokenLogprob(result.token_ids[i], lp, tuple(top or ()))
+                )
+                outputs.append(
+                    self._on_token(self._requests[seq.request_id], result.token_ids[i], logprob)
+                )
+        sampled = {id(s) for s in samplers}
+        for seq, _ in batch.entries:
+            if seq.prefill_only and id(seq) not in sampled:
+                outputs.append(self._progress(seq))
+        return outputs
+
+    def _progress(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            kv_blocks_ready=seq.num_computed_tokens // self.config.block_size,
+        )
+
+    def _on_token(
+        self, req: RequestState, token: int, logprob: TokenLogprob | None
+    ) -> RequestOutput:
+        seq = req.seq
+        self._generation_tokens += 1
+        out = self._progress(seq)
+        out.new_token_ids.append(token)
+        if logprob is not None:
+            out.new_logprobs = [logprob]
+        if seq.prefill_only:
+            seq.token_ids.append(token)
+            seq.sampling.append(token)
+            out.kv_blocks_ready = len(seq.block_table)
+            return self._finish(req, FinishReason.PREFILLED, None, out)
+        reason, stop_reason = req.append_token(token, self.max_model_len)
+        out.new_text = req.take_text(final=reason is not None)
+        out.num_output_tokens = seq.num_output_tokens
+        if reason is None:
+            return out
+        return self._finish(req, reason, stop_reason, out)
+
+    def _finish(
+        self,
+        req: RequestState,
+        reason: FinishReason,
+        stop_reason: str | int | None,
+        out: RequestOutput,
+    ) -> RequestOutput:
+        seq = req.seq
+        self.scheduler.remove(seq)
+        out.finished = True
+        out.finish_reason = reason.value
+        out.stop_reason = stop_reason
+        out.num_output_tokens = seq.num_output_tokens
+        seq.finish_reason = reason
+        if reason is FinishReason.PREFILLED:
+            seq.status = SequenceStatus.PREFILLED  # blocks held until release()
+            return out
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        del self._requests[seq.request_id]
+        return out
+
+    # ---- disaggregation: prefill side -------------------------------------------------
+    def _held(self, request_id: str, *statuses: SequenceStatus) -> Sequence:
+        req = self._requests.get(request_id)
+        if req is None or req.seq.status not in statuses:
+            raise EngineError(f"request {request_id!r} holds no KV blocks in that state")
+        return req.seq
+
+    def export_kv(
+        self, request_id: str, start_block: int, end_block: int, layers: range | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of logical blocks ``[start_block, end_block)`` per layer: ``[(k, v)]``, each
+        ``[n, block_size, num_kv_heads, head_dim]``. Only complete blocks may be read."""
+        seq = self._held(request_id, SequenceStatus.RUNNING, SequenceStatus.PREFILLED)
+        ready = (
+            len(seq.block_table)
+            if seq.status is SequenceStatus.PREFILLED
+            else seq.num_computed_tokens // self.config.block_size
+        )
+        if not 0 <= start_block <= end_block <= ready:
+            raise EngineError(
+                f"blocks [{start_block}, {end_block}) of {request_id!r} are not ready"
+            )
+        return self.runner.kv_cache.read_blocks(seq.block_table[start_block:end_block], layers)
+
+    def release(self, request_id: str) -> None:
+        """Free a prefilled request's held blocks (its KV was shipped, or the peer gave up)."""
+        seq = self._held(request_id, SequenceStatus.PREFILLED)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        del self._requests[request_id]
+
+    # ---- disaggregation: decode side --------------------------------------------------
+    def reserve_remote(
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+    ) -> int:
+        """Allocate blocks for a prompt prefilled elsewhere; returns how many leading tokens
+        this engine already holds (whole blocks), which the prefill side need not send."""
+        req = self._new_request(request_id, prompt_token_ids, params, prefill_only=False)
+        seq = req.seq
+        bm = self.block_manager
+        cached = bm.match_prefix(seq)
+        if not bm.can_allocate(seq, seq.num_tokens, cached):
+            bm.forget(seq)
+            raise EngineError("not enough free KV blocks to reserve for a remote prefill")
+        bm.record_prefix_query(bm.blocks_for(seq.num_tokens))
+        bm.allocate(seq, seq.num_tokens, cached)
+        seq.num_cached_tokens = len(cached) * bm.block_size
+        seq.status = SequenceStatus.REMOTE_PENDING
+        self._requests[request_id] = req
+        return seq.num_cached_tokens
+
+    def import_kv(
+        self, request_id: str, start_block: int, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write pages ``k``/``v`` ``[n, bs, Hkv, D]`` of one layer at logical block
+        ``start_block`` onwards; blocks shared through the prefix cache are never written."""
+        seq = self._held(request_id, SequenceStatus.REMOTE_PENDING)
+        n = k.shape[0]
+        first_private = seq.num_cached_tokens // self.config.block_size
+        if start_block < first_private or start_block + n > len(seq.block_table):
+            raise EngineError(
+                f"KV pages for blocks [{start_block}, {start_block + n}) fall outside the "
+                f"writable range [{first_private}, {len(seq.block_table)}) of {request_id!r}"
+            )
+        if not 0 <= layer < self.model_config.num_layers:
+            raise EngineError(f"layer {layer} out of range")
+        self.runner.kv_cache.write_blocks(
+            seq.block_table[start_block : start_block + n], layer, k, v
+        )
+
+    def commit_remote(
+        self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
+        """All pages arrived: account the prompt as computed and start decoding."""
+        seq = self._held(request_id, SequenceStatus.REMOTE_PENDING)
+        req = self._requests[request_id]
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.add_running(seq)
+        return self._on_token(req, first_token, logprob)
+
+    # ---- helpers --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        held = [r for r in self._requests.values() if r.seq.status is SequenceStatus.PREFILLED]
+        pending = [
+            r for r in self._requests.values() if r.seq.status is SequenceStatus.REMOTE_PENDING
+        ]
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_remote_pending=len(pending),
+            num_prefilled_held=len(held),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self._num_preemptions,
+            prompt_tokens_computed=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+    def prompt_logits(self, token_ids: Seq[int]) -> torch.Tensor:
+        """Float32 logits ``[T, vocab]`` at every prompt position (no caching; for checks)."""
+        seq = Sequence(
+            "__logits__", list(token_ids), SamplingParams(), SamplingState(SamplingParams())
+        )
+        self.block_manager.allocate(seq, seq.num_tokens)
+        try:
+            return self.runner.prompt_logits(seq)
+        finally:
+            self.block_manager.free(seq)
+
+    def generate(
+        self,
+        prompts: Iterable[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion together (continuous batching); results in input order."""
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        acc = {rid: Completion(rid, [], [], "", None, None, 0) for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+            acc[rid].prompt_token_ids = list(self._requests[rid].seq.prompt_token_ids)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                c = acc[out.request_id]
+                c.token_ids.extend(out.new_token_ids)
+                c.text += out.new_text
+                if out.new_logprobs:
+                    c.logprobs = (c.logprobs or []) + out.new_logprobs
+                c.num_cached_tokens = out.num_cached_tokens
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+        return [acc[rid] for rid in ids]

@@ -1,0 +1,167 @@
+"""All device code in one place: builds the model, owns the KV cache, runs a step.
+
+The runner turns a :class:`ScheduledBatch` into flat input tensors (decode tokens first, then
+prefill chunks), runs the model and returns the logits of the sequences that sample this
+step. On CUDA, pure-decode steps replay captured CUDA graphs (see :mod:`cuda_graphs`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
+from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
+from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
+from edgeinfer.daemon.engine.model import CausalLM
+from edgeinfer.daemon.engine.model_config import ModelConfig
+from edgeinfer.daemon.engine.rope import RotaryEmbedding
+from edgeinfer.daemon.engine.scheduler import ScheduledBatch
+from edgeinfer.daemon.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def _skip_tensor(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq")
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model_dir: Path) -> None:
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.resolve_dtype(model_cfg)
+        self.model_cfg = model_cfg
+        self.block_size = cfg.block_size
+        self.model = self._load(model_cfg, model_dir, cfg.show_progress)
+        self.layout = KVLayout(
+            num_layers=model_cfg.num_layers,
+            block_size=cfg.block_size,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim,
+            dtype=self.dtype,
+        )
+        num_blocks = cfg.num_kv_blocks or num_blocks_for_budget(self.layout, cfg.kv_cache_bytes)
+        self.kv_cache = KVCache(self.layout, num_blocks, self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            from edgeinfer.daemon.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                self, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len
+            )
+
+    def _load(
+        self, model_cfg: ModelConfig, model_dir: Path, show_progress: bool | None
+    ) -> CausalLM:
+        # Build on the meta device so no time goes into random init we would overwrite.
+        with torch.device("meta"):
+            model = CausalLM(model_cfg)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        if model_cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
+        model.rotary_emb = RotaryEmbedding(model_cfg).to(self.device)
+        optional = {"lm_head.weight"} if model_cfg.tie_word_embeddings else set()
+        with CheckpointReader(model_dir) as reader:
+            load_weights(
+                model,
+                reader,
+                name_map=lambda n: None if _skip_tensor(n) else n,
+                dtype=self.dtype,
+                show_progress=show_progress,
+                optional=optional,
+            )
+        return model.eval()
+
+    # ---- one step -------------------------------------------------------------------
+    def prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, list[Sequence], int]:
+        """Flatten a batch into model inputs; returns inputs, metadata and sampling sequences."""
+        bs = self.block_size
+        decodes = [(s, n) for s, n in batch.entries if n == 1]
+        prefills = [(s, n) for s, n in batch.entries if n != 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        samplers: list[Sequence] = []
+
+        def add(seq: Sequence, n: int) -> None:
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            table = seq.block_table
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if start + n == seq.num_tokens:
+                logit_rows.append(len(ids) - 1)
+                samplers.append(seq)
+
+        for seq, n in decodes:
+            add(seq, n)
+        segments: list[PrefillSegment] = []
+        for seq, n in prefills:
+            start = len(ids)
+            add(seq, n)
+            num_blocks = (seq.num_computed_tokens + n + bs - 1) // bs
+            segments.append(
+                PrefillSegment(
+                    start=start,
+                    length=n,
+                    start_pos=seq.num_computed_tokens,
+                    block_table=torch.tensor(
+                        seq.block_table[:num_blocks], dtype=torch.int32, device=self.device
+                    ),
+                )
+            )
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(decodes),
+            prefills=segments,
+        )
+        if decodes:
+            width = max(len(s.block_table) for s, _ in decodes)
+            tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes]
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
+            meta.decode_context_lens = torch.tensor(
+                [s.num_computed_tokens + 1 for s, _ in decodes], dtype=torch.int32, device=dev
+            )
+        inputs = {
+            "input_ids": torch.tensor(ids, dtype=torch.long, device=dev),
+            "positions": torch.tensor(pos, dtype=torch.long, device=dev),
+            "logits_indices": torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        }
+        return inputs, meta, samplers, max(pos, default=0)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the model on a batch; returns float32 logits ``[N, vocab]`` of ``N`` samplers."""
+        inputs, meta, samplers, max_pos = self.prepare(batch)
+        if not samplers:
+            # Only partial prefill chunks: fill the cache, skip the LM head entirely.
+            inputs["logits_indices"] = inputs["logits_indices"][:0]
+        if self.graphs is not None and not meta.prefills and self.graphs.can_run(len(samplers)):
+            logits = self.graphs.run(inputs, meta)
+        else:
+            logits = self.model(
+                inputs["input_ids"],
+                inputs["positions"],
+                meta,
+                self.kv_cache,
+                inputs["logits_indices"],
+                max_pos,
+            )
+        return logits, samplers
+
+    @torch.inference_mode()
+    def prompt_logits(self, seq: Sequence) -> torch.Tensor:
+        """Logits ``[T, vocab]`` for every position of ``seq`` (blocks already allocated)."""
+        batch = ScheduledBatch(entries=[(seq, seq.num_tokens)])
+        inputs, meta, _, max_pos = self.prepare(batch)
+        return self.model(
+            inputs["input_ids"], inputs["positions"], meta, self.kv_cache, None, max_pos
+        )

@@ -1,0 +1,254 @@
+"""Tokenizer and chat templates on top of the ``tokenizers`` library (no transformers at runtime).
+
+Encoding follows ``tokenizer.json`` exactly (its post-processor decides whether BOS is added), and
+chat templates are rendered in a Jinja sandbox configured like transformers' so prompts are
+byte-identical to ``AutoTokenizer.apply_chat_template(..., tokenize=False)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from edgeinfer.daemon.engine.errors import InvalidRequestError, ModelLoadError
+
+# Context tokens decoded before the first output token so the first delta keeps its spacing.
+_DETOKENIZE_CONTEXT = 5
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    # Special tokens are written either as plain strings or as serialized AddedToken dicts.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers) render their body."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja's Extension API declares a class-level set
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson HTML-escapes; transformers replaces it with plain json.dumps.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A model's tokenizer: ids <-> text plus its chat template and stop tokens."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        special_tokens: dict[str, str],
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        chat_template: str | dict[str, str] | None,
+    ) -> None:
+        self._tok = tokenizer
+        self.special_tokens = special_tokens
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"{tokenizer_file} not found (only fast tokenizers are supported)")
+        try:
+            tok = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust library raises a plain Exception
+            raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from exc
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        gen_cfg = _read_json(path / "generation_config.json")
+        model_cfg = _read_json(path / "config.json")
+
+        special = {
+            key: content
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (content := _token_content(tok_cfg.get(key))) is not None
+        }
+        bos_id = tok.token_to_id(special["bos_token"]) if "bos_token" in special else None
+        if bos_id is None:
+            bos_id = next(
+                iter(_ids(gen_cfg.get("bos_token_id")) or _ids(model_cfg.get("bos_token_id"))), None
+            )
+        # Stop on any EOS named anywhere: chat models often list the turn-end token only in
+        # generation_config.json while tokenizer_config.json names the document end.
+        eos_ids = set(_ids(gen_cfg.get("eos_token_id"))) | set(_ids(model_cfg.get("eos_token_id")))
+        if "eos_token" in special and (eos := tok.token_to_id(special["eos_token"])) is not None:
+            eos_ids.add(eos)
+
+        template: str | dict[str, str] | None = tok_cfg.get("chat_template")
+        if isinstance(template, list):
+            template = {t["name"]: t["template"] for t in template}
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        return cls(
+            tok,
+            special_tokens=special,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            chat_template=template,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _template_source(self, tools: Any) -> str:
+        template = self.chat_template
+        if template is None:
+            raise InvalidRequestError(
+                "this model has no chat template (no 'chat_template' in tokenizer_config.json and "
+                "no chat_template.jinja); send a plain completion prompt instead",
+                param="messages",
+            )
+        if isinstance(template, dict):
+            name = "tool_use" if tools is not None and "tool_use" in template else "default"
+            if name not in template:
+                raise InvalidRequestError(
+                    f"this model has several chat templates and none is named 'default': "
+                    f"{sorted(template)}",
+                    param="messages",
+                )
+            return template[name]
+        return template
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render ``messages`` to the prompt string (extra keyword arguments reach the template)."""
+        tools = extra.pop("tools", None)
+        documents = extra.pop("documents", None)
+        compiled = _compile_template(self._template_source(tools))
+        # Like transformers: keys whose value is None are dropped, since templates test presence.
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {**self.special_tokens, **extra}
+        try:
+            return compiled.render(
+                messages=chat,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise InvalidRequestError(f"chat template error: {exc}", param="messages") from exc
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output token ids into text deltas.
+
+    It decodes a small window ``ids[prefix_offset:]`` and emits only what extends the already
+    emitted part ``ids[prefix_offset:read_offset]`` (vLLM's technique), so the cost per token is
+    constant, multi-token characters are held back until complete, and the deltas concatenate to
+    ``decode(output_ids)`` for byte-level BPE tokenizers.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add one output token; returns the newly completed text (possibly empty)."""
+        self._ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens
+        )
+        full = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
+        # U+FFFD at the end means the last token ended inside a UTF-8 sequence: wait for the rest.
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        # Drop the tokens before the window so memory stays bounded on long generations.
+        if self._prefix_offset > 0:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        self.text += delta
+        return delta
