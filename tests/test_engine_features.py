@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from engine_helpers import make_checkpoint, random_prompts
 
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.errors import InvalidRequestError
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
+from engine_helpers import make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -97,7 +97,9 @@ def test_stop_strings_cut_exactly(engine):
     assert cut[0].finish_reason == "stop"
     kept = engine.generate(
         [prompt],
-        SamplingParams(max_tokens=24, temperature=0.0, stop=[stop], include_stop_str_in_output=True),
+        SamplingParams(
+            max_tokens=24, temperature=0.0, stop=[stop], include_stop_str_in_output=True
+        ),
     )
     assert kept[0].text == text[: text.index(stop) + len(stop)]
 

@@ -83,6 +83,14 @@ class LLMEngine:
         return self.runner.layout
 
     # ---- requests -------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict[str, object]], **template_vars: object) -> list[int]:
+        """Token ids of a chat rendered with the checkpoint's template. The template writes
+        its own special tokens, so the tokenizer must not add a second BOS."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **template_vars
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def add_request(
         self,
         request_id: str,

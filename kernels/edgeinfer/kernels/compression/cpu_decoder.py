@@ -150,27 +150,32 @@ def _lockstep(pairs: np.ndarray, table: np.ndarray, state: dict[str, np.ndarray]
 
 
 def _complete(
-    pairs: np.ndarray, table: np.ndarray, state: dict[str, np.ndarray], held: np.ndarray, lanes: np.ndarray
+    pairs: np.ndarray,
+    table: np.ndarray,
+    state: dict[str, np.ndarray],
+    held: np.ndarray,
+    lanes: np.ndarray,
 ) -> np.ndarray:
     """Finish ``lanes`` whose window held fewer than GROUP codewords; advances their position.
 
-    ``held`` are their table entries. Returns their GROUP symbol bytes (uint32).
+    ``held`` are their table entries (already consumed). One more window almost always supplies
+    the missing symbols; the rare lanes it does not (three or more long codewords) loop again.
+    Returns their GROUP symbol bytes (uint32).
     """
     symbols = held & _U64(0xFFFFFFFF)
     missing = held >> _U64(_MISSING_SHIFT)
     pos, base, mask = state["pos"][lanes], state["base"][lanes], state["mask"][lanes]
-    todo = np.arange(len(lanes))
-    while todo.size:
-        p, miss = pos[todo], missing[todo]
-        entry = table.take(_window(pairs, p, mask[todo], np.empty(len(todo), _U64)) + base[todo])
-        # The new window's symbols go after the ones held; bytes past GROUP are shifted out.
-        have = _U64(GROUP) - miss
-        symbols[todo] |= ((entry & _U64(0xFFFFFFFF)) << (have * _U64(8))) & _U64(0xFFFFFFFF)
-        got = np.minimum(miss, _U64(GROUP) - (entry >> _U64(_MISSING_SHIFT)))
-        shift = _U64(_CUM_SHIFT) + _U64(5) * (miss - _U64(1))
-        pos[todo] = p + ((entry >> shift) & _U64(31))
-        missing[todo] = miss - got
-        todo = todo[missing[todo] > 0]
+    todo = slice(None)
+    while True:
+        miss = missing[todo]
+        entry = table.take(_window(pairs, pos[todo], mask[todo], np.empty(len(miss), _U64)) + base[todo])
+        # The new symbols go after the ones held; any beyond GROUP are shifted out of 32 bits.
+        symbols[todo] |= (entry << (_U64(8 * GROUP) - _U64(8) * miss)) & _U64(0xFFFFFFFF)
+        pos[todo] += (entry >> (_U64(_CUM_SHIFT - 5) + _U64(5) * miss)) & _U64(31)
+        missing[todo] = miss - np.minimum(miss, _U64(GROUP) - (entry >> _U64(_MISSING_SHIFT)))
+        todo = np.flatnonzero(missing)
+        if not todo.size:
+            break
     state["pos"][lanes] = pos
     return symbols.astype(np.uint32)
 

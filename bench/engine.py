@@ -1,0 +1,427 @@
+"""End-to-end engine benchmark against transformers ``generate()`` (not a test).
+
+Per model, on the same weights, dtype and thread count:
+
+* mixed workload: seeded random requests (prompts 16-512 tokens, outputs 16-256, exact
+  lengths). The engine gets them all at once; transformers runs them in static batches of 8
+  with left padding, each batch generating to the longest output among its members, which is
+  how a user batches ``generate()``. Only requested tokens count as output.
+* batch 1: a 128-token prompt and 128 output tokens; time per decode token (first token to
+  last, so prefill is excluded) beside the memory-bandwidth floor, the weight bytes a decode
+  token must read over a measured copy bandwidth.
+
+Prints a table and writes JSON (bench/results/engine.json by default).
+
+    .venv/bin/python bench/engine.py [--model tiny|default|DIR ...] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging as hf_logging
+
+from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).parent / "results" / "engine.json"
+PROMPT_RANGE, OUTPUT_RANGE = (16, 512), (16, 256)
+HF_BATCH = 8
+B1_PROMPT, B1_OUTPUT = 128, 128
+# Targets as engine speed over reference speed (higher is better, so one rule fits all rows).
+TARGET_VS_HF_MIXED, TARGET_VS_HF_B1, TARGET_VS_FLOOR = 3.0, 1.0, 0.5
+COPY_BYTES = 512 << 20  # far above any L3, so the copy runs at DRAM speed
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class Timing:
+    wall_s: float
+    cpu_s: float  # process CPU time, all threads: less sensitive than wall to other tenants
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, Timing]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, Timing(time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def make_workload(n: int, vocab: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [
+        Request(
+            [rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_RANGE))],
+            rng.randint(*OUTPUT_RANGE),
+        )
+        for _ in range(n)
+    ]
+
+
+def copy_gbps(reps: int = 7) -> float:
+    """Best-of-``reps`` DRAM bandwidth of a large tensor copy, counting bytes read plus bytes
+    written (the STREAM convention): the rate at which a decode step could stream weights."""
+    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)  # touched, so page faults stay out of the timing
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * COPY_BYTES / best / 1e9
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode token reads: every parameter once (``parameters()`` skips
+    tied duplicates), except an untied input embedding, of which a token reads one row."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    if embed is not model.get_output_embeddings().weight:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+# ---- engine ------------------------------------------------------------------------------
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def engine_mixed(engine: LLMEngine, workload: list[Request]) -> dict[str, Any]:
+    before = engine.stats()
+    done, t = timed(
+        lambda: engine.generate(
+            [r.prompt for r in workload], [greedy(r.output_len) for r in workload]
+        )
+    )
+    tokens = sum(len(c.token_ids) for c in done)
+    assert tokens == sum(r.output_len for r in workload), "the engine's output lengths are off"
+    after = engine.stats()
+    return asdict(t) | {
+        "output_tokens": tokens,
+        "tok_s": tokens / t.wall_s,
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "kv_blocks_total": after.kv_blocks_total,
+    }
+
+
+def engine_decode(engine: LLMEngine, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """Seconds per decode token at batch 1 (first token to last) and the tokens."""
+    engine.add_request("b1", prompt, greedy(n))
+    stamps: list[float] = []
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids:
+                stamps.append(time.perf_counter())
+                tokens.extend(out.new_token_ids)
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1), tokens
+
+
+# ---- transformers ------------------------------------------------------------------------
+class _Stamps(BaseStreamer):
+    """generate() calls ``put`` once with the prompt, then once per new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(
+    hf: Any, prompts: list[list[int]], new_tokens: int, streamer: BaseStreamer | None = None
+) -> torch.Tensor:
+    """Left-padded batch; ``min_new_tokens`` keeps EOS from ending any row early."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    with torch.inference_mode():
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
+    return out[:, width:]
+
+
+def hf_batches(workload: list[Request]) -> list[list[Request]]:
+    return [workload[i : i + HF_BATCH] for i in range(0, len(workload), HF_BATCH)]
+
+
+def hf_mixed(hf: Any, workload: list[Request], max_batches: int | None) -> dict[str, Any]:
+    """Static batches in request order; with ``max_batches`` only the first ones run and the
+    total is extrapolated by decode steps (each batch's longest output), which dominate."""
+    batches = hf_batches(workload)
+    run = batches[:max_batches] if max_batches else batches
+
+    def go() -> int:
+        generated = 0
+        for b in run:
+            steps = max(r.output_len for r in b)
+            generated += hf_generate(hf, [r.prompt for r in b], steps).numel()
+        return generated
+
+    generated, t = timed(go)
+    useful = sum(r.output_len for b in run for r in b)
+    scale = sum(max(r.output_len for r in b) for b in batches) / sum(
+        max(r.output_len for r in b) for b in run
+    )
+    wall = t.wall_s * scale
+    return {
+        "wall_s": wall,
+        "cpu_s": t.cpu_s * scale,
+        "measured_wall_s": t.wall_s,
+        "batches_run": len(run),
+        "batches_total": len(batches),
+        "extrapolated": len(run) < len(batches),
+        "output_tokens": sum(r.output_len for r in workload),
+        "tok_s": sum(r.output_len for r in workload) / wall,
+        "padding_waste": 1 - useful / generated,  # generated tokens nobody asked for
+    }
+
+
+def hf_decode(hf: Any, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    stamps = _Stamps()
+    tokens = hf_generate(hf, [prompt], n, stamps)[0].tolist()
+    first, last = stamps.times[1], stamps.times[-1]  # times[0] is the prompt
+    return (last - first) / (n - 1), tokens
+
+
+# ---- one model ---------------------------------------------------------------------------
+def median_of(
+    reps: int, fn: Callable[[], tuple[float, list[int]]]
+) -> tuple[list[float], list[int]]:
+    samples, tokens = [], []
+    for _ in range(reps):
+        s, tokens = fn()
+        samples.append(s)
+    return samples, tokens
+
+
+def bench_model(spec: str, args: argparse.Namespace, gbps: float, console: Console) -> dict:
+    cfg = EngineConfig(
+        model=None if spec == "default" else spec,
+        dtype=args.dtype,
+        device="cpu",
+        num_threads=args.threads,
+        show_progress=False,
+    )
+    engine = LLMEngine(cfg)
+    dtype = engine.runner.dtype
+    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=dtype).eval()
+    vocab = engine.model_config.vocab_size
+    workload = make_workload(args.num_requests, vocab, args.seed)
+    warm = make_workload(4, vocab, args.seed + 1)
+    rng = random.Random(args.seed + 2)
+    b1_prompt = [rng.randrange(vocab) for _ in range(B1_PROMPT)]
+
+    # Warm both sides up (allocator growth, lazy inits) so neither pays first-call costs.
+    engine.generate([r.prompt for r in warm], greedy(8))
+    hf_generate(hf, [r.prompt for r in warm], 8)
+
+    console.print(f"[bold]{spec}[/bold]: mixed workload, engine")
+    e_mixed = engine_mixed(engine, workload)
+    console.print(f"[bold]{spec}[/bold]: mixed workload, transformers")
+    h_mixed = hf_mixed(hf, workload, args.hf_batches)
+    console.print(f"[bold]{spec}[/bold]: batch 1 decode")
+    e_b1, e_tokens = median_of(args.b1_reps, lambda: engine_decode(engine, b1_prompt, B1_OUTPUT))
+    h_b1, h_tokens = median_of(args.b1_reps, lambda: hf_decode(hf, b1_prompt, B1_OUTPUT))
+    agree = next((i for i, (a, b) in enumerate(zip(e_tokens, h_tokens)) if a != b), B1_OUTPUT)
+    weight_bytes = decode_weight_bytes(hf)
+    floor = weight_bytes / (gbps * 1e9)
+    return {
+        "model": spec,
+        "model_dir": str(engine.model_dir),
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_params": sum(p.numel() for p in hf.parameters()),
+        "workload": {
+            "num_requests": len(workload),
+            "prompt_tokens": sum(len(r.prompt) for r in workload),
+            "output_tokens": sum(r.output_len for r in workload),
+        },
+        "mixed": {"engine": e_mixed, "hf": h_mixed, "ratio": e_mixed["tok_s"] / h_mixed["tok_s"]},
+        "batch1": {
+            "prompt_tokens": B1_PROMPT,
+            "output_tokens": B1_OUTPUT,
+            "engine_s_per_token": statistics.median(e_b1),
+            "hf_s_per_token": statistics.median(h_b1),
+            "engine_samples": e_b1,
+            "hf_samples": h_b1,
+            "floor_s_per_token": floor,
+            "decode_weight_bytes": weight_bytes,
+            "greedy_tokens_agree": agree,  # leading tokens equal between engine and HF
+        },
+    }
+
+
+# ---- report ------------------------------------------------------------------------------
+def rows(r: dict) -> list[dict[str, Any]]:
+    """Table rows; ``ratio`` is engine speed over reference speed, ``target`` its minimum."""
+    m, b = r["mixed"], r["batch1"]
+    e_tok, e_b1 = m["engine"]["output_tokens"], b["engine_s_per_token"]
+    out = [
+        {
+            "model": r["model"],
+            "workload": f"{r['workload']['num_requests']} mixed requests"
+            + (" (HF extrapolated)" if m["hf"]["extrapolated"] else ""),
+            "ref": "HF",
+            "engine_s": m["engine"]["wall_s"],
+            "ref_s": m["hf"]["wall_s"],
+            "engine_tok_s": m["engine"]["tok_s"],
+            "ref_tok_s": m["hf"]["tok_s"],
+            "ratio": m["ratio"],
+            "target": TARGET_VS_HF_MIXED,
+        }
+    ]
+    assert e_tok == m["hf"]["output_tokens"]
+    decode = (B1_OUTPUT - 1) * e_b1
+    for ref, per_token, target in (
+        ("HF", b["hf_s_per_token"], TARGET_VS_HF_B1),
+        ("floor", b["floor_s_per_token"], TARGET_VS_FLOOR if r["model"] == "default" else None),
+    ):
+        out.append(
+            {
+                "model": r["model"],
+                "workload": f"batch 1, {B1_OUTPUT - 1} decode tokens",
+                "ref": ref,
+                "engine_s": decode,
+                "ref_s": (B1_OUTPUT - 1) * per_token,
+                "engine_tok_s": 1 / e_b1,
+                "ref_tok_s": 1 / per_token,
+                "ratio": per_token / e_b1,
+                "target": target,
+            }
+        )
+    for row in out:
+        row["pass"] = None if row["target"] is None else row["ratio"] >= row["target"]
+    return out
+
+
+def print_table(console: Console, all_rows: list[dict[str, Any]], meta: dict) -> None:
+    table = Table(
+        title=f"edgeinfer engine vs transformers ({meta['dtype']}, {meta['threads']} threads)",
+        caption="ratio = engine tok/s ÷ reference tok/s; floor = decode weight bytes ÷ "
+        f"copy bandwidth ({meta['copy_gbps']:.1f} GB/s read+write)",
+    )
+    for col in ("model", "workload", "vs", "engine s", "ref s", "engine tok/s", "ref tok/s"):
+        table.add_column(col, justify="left" if col in ("model", "workload", "vs") else "right")
+    for col in ("ratio", "target", "pass"):
+        table.add_column(col, justify="right")
+    for row in all_rows:
+        verdict = {None: "-", True: "[green]pass[/green]", False: "[red]FAIL[/red]"}[row["pass"]]
+        table.add_row(
+            row["model"],
+            row["workload"],
+            row["ref"],
+            f"{row['engine_s']:.2f}",
+            f"{row['ref_s']:.2f}",
+            f"{row['engine_tok_s']:.1f}",
+            f"{row['ref_tok_s']:.1f}",
+            f"{row['ratio']:.2f}x",
+            "-" if row["target"] is None else f">= {row['target']:g}x",
+            verdict,
+        )
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        action="append",
+        help="tiny, default or a checkpoint directory; repeatable (default: tiny and default)",
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 1 rep")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    threads = len(os.sched_getaffinity(0))
+    parser.add_argument("--threads", type=int, default=threads, help="torch threads, both sides")
+    parser.add_argument("--b1-reps", type=int, default=3, help="batch-1 runs per side (median)")
+    parser.add_argument(
+        "--hf-batches",
+        type=int,
+        default=None,
+        help="run only the first N static HF batches and extrapolate (default: all)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.b1_reps = min(args.num_requests, 16), 1
+    torch.set_num_threads(args.threads)
+    # Rich wraps at 80 columns when piped; the table needs more to stay one line per row.
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+    hf_logging.disable_progress_bar()
+
+    gbps = copy_gbps()
+    meta = {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "quick": args.quick,
+        "hf_static_batch": HF_BATCH,
+        "copy_gbps": gbps,
+        "copy_gbps_note": "best of 7 copies of 512 MiB, bytes read + bytes written",
+        "loadavg_start": os.getloadavg(),
+    }
+    start = time.perf_counter()
+    results = [bench_model(spec, args, gbps, console) for spec in args.model or ["tiny", "default"]]
+    meta |= {"loadavg_end": os.getloadavg(), "total_s": time.perf_counter() - start}
+    all_rows = [row for r in results for row in rows(r)]
+    print_table(console, all_rows, meta)
+    for r in results:
+        b = r["batch1"]
+        console.print(
+            f"{r['model']}: HF padding waste {r['mixed']['hf']['padding_waste']:.0%}, "
+            f"engine preemptions {r['mixed']['engine']['preemptions']}, "
+            f"batch-1 greedy tokens agree for {b['greedy_tokens_agree']}/{B1_OUTPUT}"
+        )
+        if r["mixed"]["hf"]["extrapolated"]:
+            h = r["mixed"]["hf"]
+            console.print(
+                f"[yellow]{r['model']}: HF ran {h['batches_run']} of {h['batches_total']} "
+                f"batches ({h['measured_wall_s']:.1f} s); its total is extrapolated[/yellow]"
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"meta": meta, "results": results, "table": all_rows}, indent=2) + "\n"
+    )
+    console.print(f"wrote {args.out} in {meta['total_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

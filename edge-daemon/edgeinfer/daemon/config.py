@@ -1,0 +1,145 @@
+"""The edge daemon's settings: one frozen dataclass, filled by :func:`load_daemon_config`.
+
+Engine sizing fields take their defaults from :class:`EngineConfig` itself so that a default
+lives in exactly one place; :meth:`DaemonConfig.to_engine_config` hands them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from edgeinfer.daemon.engine.config import DType, EngineConfig
+from edgeinfer.daemon.engine.default_model import DEFAULT_MODEL
+from edgeinfer.daemon.engine.errors import EngineError
+from edgeinfer.shared.config import load_config
+from edgeinfer.shared.errors import ConfigError
+
+Role = Literal["both", "prefill", "decode"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+# ZeroMQ transports a prefill peer may be reached over; anything else is a typo.
+_PEER_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+CONFIG_SECTION = "daemon"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    # ---- what to serve ----
+    model: str | None = None  # a checkpoint directory, "tiny", or None for the built-in model
+    served_model_name: str | None = None  # the name clients send; default: the model spec
+    dtype: DType = "auto"
+    role: Role = "both"
+    # ---- where ----
+    host: str = "0.0.0.0"
+    port: int = 8000
+    kv_port: int = 5600
+    pop: str = "local"  # the point of presence this daemon runs in, reported to the router
+    log_level: LogLevel = "info"
+    # ---- disaggregation ----
+    prefill_peers: tuple[str, ...] = ()  # ZeroMQ endpoints of prefill daemons
+    # Prompts shorter than this many tokens are prefilled locally even when a peer is known:
+    # shipping their KV costs more than computing it.
+    local_prefill_threshold: int = 512
+    kv_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 5.0
+    curve_secret_key: Path | None = None  # this daemon's .key_secret file
+    curve_server_public_key: Path | None = None  # the prefill peers' .key file (decode side)
+    curve_allowed_clients_dir: Path | None = None  # public keys of allowed decode daemons
+    # ---- operations ----
+    admin_token: str | None = None  # when set, /admin/* needs "Authorization: Bearer <token>"
+    drain_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
+    # ---- engine sizing (defaults are EngineConfig's) ----
+    device: str = EngineConfig.device
+    kv_cache_bytes: int = EngineConfig.kv_cache_bytes
+    num_kv_blocks: int | None = EngineConfig.num_kv_blocks
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    block_size: int = EngineConfig.block_size
+    max_model_len: int | None = EngineConfig.max_model_len
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    num_threads: int | None = EngineConfig.num_threads
+
+    def __post_init__(self) -> None:
+        for name in ("port", "kv_port"):
+            value = getattr(self, name)
+            if not 1 <= value <= 65535:
+                raise ConfigError(f"config key '{name}' must be in [1, 65535], got {value}")
+        if self.port == self.kv_port:
+            raise ConfigError(f"port and kv_port must differ, both are {self.port}")
+        for name in ("kv_timeout_s", "heartbeat_interval_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config key '{name}' must be > 0, got {getattr(self, name)}")
+        if self.local_prefill_threshold < 0:
+            raise ConfigError(
+                f"config key 'local_prefill_threshold' must be >= 0, "
+                f"got {self.local_prefill_threshold}"
+            )
+        for peer in self.prefill_peers:
+            if not peer.startswith(_PEER_SCHEMES):
+                raise ConfigError(
+                    f"config key 'prefill_peers': {peer!r} is not a ZeroMQ endpoint "
+                    "(expected tcp://host:port)"
+                )
+        if self.curve_server_public_key is not None and self.curve_secret_key is None:
+            raise ConfigError(
+                "config key 'curve_server_public_key' needs 'curve_secret_key' too: "
+                "a CURVE client must hold its own key pair"
+            )
+        if self.served_model_name == "":
+            raise ConfigError("config key 'served_model_name' must not be empty")
+
+    @property
+    def model_name(self) -> str:
+        """The name the OpenAI API reports and accepts (vLLM's rule: the model spec itself)."""
+        return self.served_model_name or self.model or DEFAULT_MODEL
+
+    @property
+    def serves_api(self) -> bool:
+        """A prefill daemon only computes KV for others; it has no OpenAI API."""
+        return self.role != "prefill"
+
+    def to_engine_config(self) -> EngineConfig:
+        try:
+            return EngineConfig(
+                model=self.model,
+                dtype=self.dtype,
+                device=self.device,
+                block_size=self.block_size,
+                kv_cache_bytes=self.kv_cache_bytes,
+                num_kv_blocks=self.num_kv_blocks,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_threads=self.num_threads,
+                # A daemon logs; a progress bar in its journal is noise.
+                show_progress=False,
+            )
+        except EngineError as exc:
+            raise ConfigError(f"invalid engine settings: {exc}") from exc
+
+
+def load_daemon_config(
+    toml_path: Path | None = None,
+    *,
+    env: Mapping[str, str],
+    overrides: Mapping[str, Any] | None = None,
+) -> DaemonConfig:
+    """Defaults < ``[daemon]`` of ``toml_path`` < ``EDGEINFER_*`` in ``env`` < ``overrides``.
+
+    The engine settings are checked here too, so a bad block size fails at start-up with the
+    other config errors rather than after the model has loaded.
+    """
+    config = load_config(
+        DaemonConfig,
+        toml_path=toml_path,
+        section=CONFIG_SECTION,
+        env=env,
+        overrides=overrides,
+    )
+    config.to_engine_config()
+    return config
