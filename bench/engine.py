@@ -175,38 +175,34 @@ def hf_generate(
     return out[:, width:]
 
 
-def hf_batches(workload: list[Request]) -> list[list[Request]]:
-    return [workload[i : i + HF_BATCH] for i in range(0, len(workload), HF_BATCH)]
-
-
-def hf_mixed(hf: Any, workload: list[Request], max_batches: int | None) -> dict[str, Any]:
-    """Static batches in request order; with ``max_batches`` only the first ones run and the
-    total is extrapolated by decode steps (each batch's longest output), which dominate."""
-    batches = hf_batches(workload)
-    run = batches[:max_batches] if max_batches else batches
-
-    def go() -> int:
-        generated = 0
-        for b in run:
-            steps = max(r.output_len for r in b)
-            generated += hf_generate(hf, [r.prompt for r in b], steps).numel()
-        return generated
-
-    generated, t = timed(go)
-    useful = sum(r.output_len for b in run for r in b)
-    scale = sum(max(r.output_len for r in b) for b in batches) / sum(
-        max(r.output_len for r in b) for b in run
-    )
-    wall = t.wall_s * scale
+def hf_mixed(hf: Any, workload: list[Request], budget_s: float | None) -> dict[str, Any]:
+    """Static batches of 8 in request order. With ``budget_s``, batches stop once that much
+    wall time is spent and the rest is extrapolated at the mean time per batch run: requests
+    are i.i.d., so every batch is a fair sample of the workload."""
+    batches = [workload[i : i + HF_BATCH] for i in range(0, len(workload), HF_BATCH)]
+    walls: list[float] = []
+    cpus: list[float] = []
+    useful = generated = 0
+    for b in batches:
+        if budget_s is not None and walls and sum(walls) >= budget_s:
+            break
+        steps = max(r.output_len for r in b)
+        out, t = timed(lambda b=b, steps=steps: hf_generate(hf, [r.prompt for r in b], steps))
+        walls.append(t.wall_s)
+        cpus.append(t.cpu_s)
+        generated += out.numel()
+        useful += sum(r.output_len for r in b)
+    scale = len(batches) / len(walls)
+    tokens = sum(r.output_len for r in workload)
     return {
-        "wall_s": wall,
-        "cpu_s": t.cpu_s * scale,
-        "measured_wall_s": t.wall_s,
-        "batches_run": len(run),
+        "wall_s": sum(walls) * scale,
+        "cpu_s": sum(cpus) * scale,
+        "batch_wall_s": walls,
+        "batches_run": len(walls),
         "batches_total": len(batches),
-        "extrapolated": len(run) < len(batches),
-        "output_tokens": sum(r.output_len for r in workload),
-        "tok_s": sum(r.output_len for r in workload) / wall,
+        "extrapolated": len(walls) < len(batches),
+        "output_tokens": tokens,
+        "tok_s": tokens / (sum(walls) * scale),
         "padding_waste": 1 - useful / generated,  # generated tokens nobody asked for
     }
 
@@ -253,7 +249,7 @@ def bench_model(spec: str, args: argparse.Namespace, gbps: float, console: Conso
     console.print(f"[bold]{spec}[/bold]: mixed workload, engine")
     e_mixed = engine_mixed(engine, workload)
     console.print(f"[bold]{spec}[/bold]: mixed workload, transformers")
-    h_mixed = hf_mixed(hf, workload, args.hf_batches)
+    h_mixed = hf_mixed(hf, workload, args.hf_budget)
     console.print(f"[bold]{spec}[/bold]: batch 1 decode")
     e_b1, e_tokens = median_of(args.b1_reps, lambda: engine_decode(engine, b1_prompt, B1_OUTPUT))
     h_b1, h_tokens = median_of(args.b1_reps, lambda: hf_decode(hf, b1_prompt, B1_OUTPUT))
@@ -370,10 +366,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=threads, help="torch threads, both sides")
     parser.add_argument("--b1-reps", type=int, default=3, help="batch-1 runs per side (median)")
     parser.add_argument(
-        "--hf-batches",
-        type=int,
+        "--hf-budget",
+        type=float,
         default=None,
-        help="run only the first N static HF batches and extrapolate (default: all)",
+        metavar="SECONDS",
+        help="stop the HF mixed run after this much wall time per model and extrapolate the "
+        "remaining batches (default: run them all)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -398,6 +396,14 @@ def main() -> None:
         "copy_gbps_note": "best of 7 copies of 512 MiB, bytes read + bytes written",
         "loadavg_start": os.getloadavg(),
     }
+    cores, load = os.cpu_count() or 1, meta["loadavg_start"][0]
+    if load > cores - args.threads + 0.5:
+        # Oversubscribed OpenMP threads stall at every barrier: multi-threaded timings can
+        # come out several times slower, and not equally so for both sides.
+        console.print(
+            f"[yellow]the machine is busy (load {load:.1f} on {cores} cores, {args.threads} "
+            "threads here): timings include other processes' interference[/yellow]"
+        )
     start = time.perf_counter()
     results = [bench_model(spec, args, gbps, console) for spec in args.model or ["tiny", "default"]]
     meta |= {"loadavg_end": os.getloadavg(), "total_s": time.perf_counter() - start}
@@ -414,7 +420,7 @@ def main() -> None:
             h = r["mixed"]["hf"]
             console.print(
                 f"[yellow]{r['model']}: HF ran {h['batches_run']} of {h['batches_total']} "
-                f"batches ({h['measured_wall_s']:.1f} s); its total is extrapolated[/yellow]"
+                f"batches ({sum(h['batch_wall_s']):.1f} s); its total is extrapolated[/yellow]"
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

@@ -32,9 +32,7 @@ def _imported_roots(path: Path) -> set[str]:
 def test_no_forbidden_imports(package: Path, forbidden: set[str]) -> None:
     files = sorted(package.rglob("*.py"))
     assert files, f"no sources under {package}"
-    offenders = {
-        str(f.relative_to(ROOT)): sorted(_imported_roots(f) & forbidden) for f in files
-    }
+    offenders = {str(f.relative_to(ROOT)): sorted(_imported_roots(f) & forbidden) for f in files}
     offenders = {f: mods for f, mods in offenders.items() if mods}
     assert not offenders, f"forbidden imports: {offenders}"
 

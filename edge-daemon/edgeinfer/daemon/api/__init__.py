@@ -1,0 +1,1 @@
+"""The daemon's HTTP surface: OpenAI-compatible generation endpoints and operator endpoints."""

@@ -1,0 +1,98 @@
+"""Build the daemon's aiohttp application: state, routes, and the engine's lifetime.
+
+The engine is owned by a ``cleanup_ctx``: it starts loading (in a worker thread, since loading
+weights blocks) when the app starts and is stopped when the app shuts down. Loading runs in the
+background so the HTTP port is open, answering ``/health`` with 503, while the model loads;
+``ServingState.settled`` tells the owner (``main`` or a test) when loading ended and how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from edgeinfer.daemon.api.errors import error_middleware
+from edgeinfer.daemon.api.handlers import add_api_routes, add_wrong_role_routes
+from edgeinfer.daemon.api.ops import add_ops_routes
+from edgeinfer.daemon.api.protocol import ModelInfo
+from edgeinfer.daemon.config import DaemonConfig
+from edgeinfer.daemon.engine.async_engine import AsyncEngine
+from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.metrics import DaemonMetrics
+from edgeinfer.daemon.serving import RequestRunner
+from edgeinfer.daemon.state import CONFIG_KEY, METRICS_KEY, STATE_KEY, ServingState
+from edgeinfer.shared.errors import EdgeInferError
+
+log = logging.getLogger(__name__)
+
+# Prompts arrive as JSON; 128k token ids take about 1 MiB, aiohttp's default limit.
+MAX_BODY_BYTES = 16 << 20
+
+
+class DaemonError(EdgeInferError):
+    """The daemon cannot start or keep running: port in use, model not loadable."""
+
+
+def build_app(config: DaemonConfig, *, engine: LLMEngine | None = None) -> web.Application:
+    """The daemon's app; ``engine`` reuses an already loaded engine (tests) instead of loading
+    ``config.model``. The app owns the engine's thread, not the engine."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[CONFIG_KEY] = config
+    app[METRICS_KEY] = DaemonMetrics()
+    app[STATE_KEY] = ServingState()
+    app.cleanup_ctx.append(functools.partial(_engine_ctx, prebuilt=engine))
+    add_ops_routes(app)
+    if config.serves_api:
+        add_api_routes(app)
+    else:
+        add_wrong_role_routes(app)
+    return app
+
+
+async def _engine_ctx(app: web.Application, *, prebuilt: LLMEngine | None) -> AsyncIterator[None]:
+    state = app[STATE_KEY]
+    loader = asyncio.create_task(_load(app, prebuilt), name="edgeinfer-load")
+    yield
+    loader.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await loader
+    if state.engine is not None:
+        await state.engine.stop()
+
+
+async def _load(app: web.Application, prebuilt: LLMEngine | None) -> None:
+    config = app[CONFIG_KEY]
+    state = app[STATE_KEY]
+    try:
+        if prebuilt is not None:
+            llm = prebuilt
+        else:
+            log.info("loading model %s", config.model_name)
+            llm = await asyncio.to_thread(LLMEngine, config.to_engine_config())
+    except Exception as exc:  # any failure to load is reported, then main exits
+        log.error("cannot load model %s: %s", config.model_name, exc)
+        state.failed(exc)
+        return
+    engine = AsyncEngine(llm)
+    engine.start()
+    bm = llm.block_manager
+    model = ModelInfo(
+        name=config.model_name,
+        tokenizer=llm.tokenizer,
+        vocab_size=llm.model_config.vocab_size,
+        max_model_len=llm.max_model_len,
+        kv_capacity_tokens=bm.num_blocks * bm.block_size,
+    )
+    state.loaded(engine, RequestRunner(engine, config, app[METRICS_KEY]), model)
+    log.info(
+        "model %s ready: %d KV blocks of %d tokens, context %d",
+        config.model_name,
+        bm.num_blocks,
+        bm.block_size,
+        llm.max_model_len,
+    )

@@ -1,0 +1,168 @@
+"""The daemon's side of heartbeats: a ZeroMQ PUB socket and the rate meters that feed it.
+
+The daemon binds; every router connects a SUB socket to it (the routers know the daemons from
+their PoP table, a daemon does not know the routers). PUB never blocks: a router that is slow or
+gone only loses heartbeats, which is the right failure for data that is stale after one period.
+
+The schema lives in :mod:`edgeinfer.shared.heartbeat`. The publisher owns the fields that
+describe the *stream* (``v``, ``seq``, ``started_at``, ``sent_at``); the ``state`` callback
+supplies the rest, as a mapping or as a whole :class:`Heartbeat` whose stream fields are replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from edgeinfer.shared.heartbeat import HEARTBEAT_VERSION, Heartbeat
+
+log = logging.getLogger(__name__)
+
+StateFn = Callable[[], Heartbeat | Mapping[str, Any]]
+
+# Heartbeats are worthless once the next one exists; keep almost none queued per router.
+_SEND_HWM = 4
+
+
+class RateMeter:
+    """Tokens per *busy* second over a sliding window.
+
+    Feed it once per engine step with the tokens the step produced and how long the step ran.
+    Dividing by busy time, not wall time, measures speed rather than demand: an idle daemon is
+    not a slow one. When the window holds no work the last measured rate is kept, because
+    hardware does not get slower by idling; it reads 0.0 only until the first sample.
+    """
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._clock = clock
+        # Samples are merged into buckets of window/20 so memory stays bounded at any step rate.
+        self._bucket_s = window_s / 20
+        self._samples: deque[list[float]] = deque()  # [bucket start, tokens, busy seconds]
+        self._tokens = 0.0
+        self._busy = 0.0
+        self._last_rate = 0.0
+
+    def add(self, tokens: int, busy_s: float, now: float | None = None) -> None:
+        if tokens < 0 or busy_s < 0:
+            raise ValueError(f"tokens and busy_s must be >= 0, got {tokens}, {busy_s}")
+        now = self._clock() if now is None else now
+        if self._samples and now - self._samples[-1][0] < self._bucket_s:
+            self._samples[-1][1] += tokens
+            self._samples[-1][2] += busy_s
+        else:
+            self._samples.append([now, float(tokens), busy_s])
+        self._tokens += tokens
+        self._busy += busy_s
+        self._expire(now)
+
+    def rate(self, now: float | None = None) -> float:
+        self._expire(self._clock() if now is None else now)
+        if self._busy > 0:
+            self._last_rate = self._tokens / self._busy
+        return self._last_rate
+
+    def _expire(self, now: float) -> None:
+        while self._samples and self._samples[0][0] <= now - self.window_s:
+            _, tokens, busy = self._samples.popleft()
+            self._tokens -= tokens
+            self._busy -= busy
+        if not self._samples:  # reset exactly so float drift cannot accumulate
+            self._tokens = self._busy = 0.0
+
+
+class HeartbeatPublisher:
+    """Publishes ``state()`` as a :class:`Heartbeat` every ``interval_s`` on a PUB socket."""
+
+    def __init__(
+        self,
+        bind: str,
+        interval_s: float,
+        state: StateFn,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        started_at: float | None = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.bind = bind
+        self.interval_s = interval_s
+        self._state = state
+        self._context = context or zmq.asyncio.Context.instance()
+        self.started_at = time.time() if started_at is None else started_at
+        self.endpoint: str | None = None  # the resolved address once bound (port 0 / "*")
+        self._seq = 0
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def seq(self) -> int:
+        """The seq the next heartbeat will carry."""
+        return self._seq
+
+    async def start(self) -> None:
+        if self._socket is not None:
+            raise RuntimeError("heartbeat publisher already started")
+        sock = self._context.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        sock.bind(self.bind)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket = sock
+        self._task = asyncio.create_task(self._run(), name="heartbeat-publisher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    async def publish_now(self) -> Heartbeat:
+        """Send one heartbeat at once (e.g. when draining starts, so routers stop sooner)."""
+        if self._socket is None:
+            raise RuntimeError("heartbeat publisher not started")
+        state = self._state()
+        if isinstance(state, Heartbeat):
+            state = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+        hb = Heartbeat(
+            **{
+                **state,
+                "v": HEARTBEAT_VERSION,
+                "seq": self._seq,
+                "started_at": self.started_at,
+                "sent_at": time.time(),
+            }
+        )
+        await self._socket.send(hb.encode())
+        self._seq += 1
+        return hb
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            try:
+                await self.publish_now()
+            # A failing state callback must cost one heartbeat, not every future one: the
+            # router reads silence as "down", so the loop keeps trying. (Cancellation is a
+            # BaseException and still ends the loop.)
+            except Exception:
+                log.exception("heartbeat not sent")
+            # Fixed-rate schedule; after a stall skip the missed beats instead of bursting them.
+            next_at = max(next_at + self.interval_s, loop.time())
+            await asyncio.sleep(next_at - loop.time())

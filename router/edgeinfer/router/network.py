@@ -1,0 +1,177 @@
+"""How long bytes take between a client and a PoP, and between two PoPs.
+
+Distances are great circles on a spherical Earth; round-trip times are the fibre floor for that
+distance plus a fixed cost (last mile, switching, TLS record). Measurements only ever *raise* an
+estimate: congestion shows in a measured RTT, but nothing beats light in glass, so a measurement
+below the floor is a clock or geolocation error, not a shortcut.
+
+The same numpy expressions serve single points and whole arrays, so the selector's vectorised
+estimates and the scalars in a placement's breakdown cannot disagree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import numpy as np
+import numpy.typing as npt
+
+from edgeinfer.router.geo import Located
+from edgeinfer.router.pop_registry import PopRegistry
+
+log = logging.getLogger(__name__)
+
+EARTH_RADIUS_KM = 6371.0088  # IUGG mean radius
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.intp]
+
+
+def unit_vectors(lat_deg: Any, lon_deg: Any) -> FloatArray:
+    """Points on the unit sphere, shape ``(..., 3)``: a dot product then gives the angle."""
+    lat, lon = np.radians(lat_deg), np.radians(lon_deg)
+    return np.stack([np.cos(lat) * np.cos(lon), np.cos(lat) * np.sin(lon), np.sin(lat)], axis=-1)
+
+
+def km_from_dot(dot: Any) -> Any:
+    """Great-circle km from the dot product of two unit vectors (clipped against rounding)."""
+    # Two ufuncs instead of np.clip, whose Python wrapper costs more than the work here.
+    return np.arccos(np.minimum(np.maximum(dot, -1.0), 1.0)) * EARTH_RADIUS_KM
+
+
+def great_circle_km(a: Located, b: Located) -> float:
+    ua, ub = unit_vectors(a.lat, a.lon), unit_vectors(b.lat, b.lon)
+    return float(km_from_dot(ua @ ub))
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkModel:
+    """Latency and bandwidth assumptions; every field is in the unit its name says."""
+
+    # Great-circle km per ms of *round trip*: light in glass covers ~200 km/ms each way.
+    fibre_km_per_ms: float = 100.0
+    # Added to every RTT between distinct places: last mile, queues, switching.
+    fixed_rtt_ms: float = 2.0
+    # Sustained bandwidth one KV transfer gets between two PoPs.
+    inter_pop_gbps: float = 10.0
+    # A client this close to the router's PoP shares the router's paths, so the router's own
+    # RTT measurements to other PoPs apply to it too.
+    catchment_km: float = 1000.0
+
+    @property
+    def inter_pop_bytes_per_s(self) -> float:
+        return self.inter_pop_gbps * 1e9 / 8
+
+    def rtt_floor_s(self, km: Any) -> Any:
+        """RTT floor for great-circle distance(s) ``km``."""
+        return (np.asarray(km) / self.fibre_km_per_ms + self.fixed_rtt_ms) * 1e-3
+
+    def rtt_floor_from_dot_s(self, dot: Any) -> Any:
+        """:meth:`rtt_floor_s` of :func:`km_from_dot`, folded into one multiply-add (hot path)."""
+        s_per_radian = EARTH_RADIUS_KM / self.fibre_km_per_ms * 1e-3
+        return np.arccos(np.minimum(np.maximum(dot, -1.0), 1.0)) * s_per_radian + (
+            self.fixed_rtt_ms * 1e-3
+        )
+
+    def in_catchment(self, client: Located, here: Located) -> bool:
+        return great_circle_km(client, here) <= self.catchment_km
+
+    def client_rtt_s(
+        self, client: Located, pop: Located, here_pop: Located, measured_rtt: float | None
+    ) -> float:
+        """Expected RTT between a client and a PoP (see the module docstring for the rule)."""
+        floor = float(self.rtt_floor_s(great_circle_km(client, pop)))
+        if measured_rtt is not None and self.in_catchment(client, here_pop):
+            return max(floor, measured_rtt)
+        return floor
+
+    def inter_pop_rtt_s(self, p: Located, d: Located) -> float:
+        """RTT between two PoPs; 0 inside one PoP (a LAN hop is noise at this scale)."""
+        if (p.lat, p.lon) == (d.lat, d.lon):
+            return 0.0
+        return float(self.rtt_floor_s(great_circle_km(p, d)))
+
+    def kv_transfer_s(self, p: Located, d: Located, kv_bytes: float) -> float:
+        """Time for ``kv_bytes`` of KV pages from P to D: a round trip (the prefill request goes
+        out, the pages come back) plus the bytes over the link; nothing inside one PoP."""
+        rtt = self.inter_pop_rtt_s(p, d)
+        return 0.0 if rtt == 0.0 else rtt + kv_bytes / self.inter_pop_bytes_per_s
+
+
+class RttProber:
+    """Measures HTTP round trips from this router to one daemon per PoP, into the registry.
+
+    A ``GET /health`` over a kept-alive connection costs one RTT plus the daemon's (tiny) handler
+    time. The first probe of a connection also pays the TCP (and TLS) handshake, so it is thrown
+    away. Failures record nothing: the proxy and the heartbeats judge liveness.
+    """
+
+    def __init__(
+        self, registry: PopRegistry, interval_s: float, *, timeout_s: float | None = None
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.registry = registry
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s if timeout_s is not None else min(interval_s, 5.0)
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._warm: set[str] = set()  # daemon URLs with a connection already open
+        # Each PoP is probed through one daemon, kept while it answers so its connection stays
+        # warm; a failure moves the probe to the PoP's next daemon.
+        self._pick: dict[str, int] = {}
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("RTT prober already started")
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3 * self.interval_s),
+        )
+        self._task = asyncio.create_task(self._run(), name="rtt-prober")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def probe_all(self) -> None:
+        """One round: every PoP with daemons, concurrently."""
+        targets = [
+            (pop.name, pop.daemons[self._pick.get(pop.name, 0) % len(pop.daemons)])
+            for pop in self.registry.pops()
+            if pop.daemons
+        ]
+        await asyncio.gather(*(self._probe(name, url) for name, url in targets))
+
+    async def _probe(self, pop: str, url: str) -> None:
+        if self._session is None:
+            return
+        try:
+            for _ in range(1 if url in self._warm else 2):
+                start = time.perf_counter()
+                async with self._session.get(f"{url}/health") as resp:
+                    await resp.read()
+                elapsed = time.perf_counter() - start
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self._warm.discard(url)
+            self._pick[pop] = self._pick.get(pop, 0) + 1
+            log.debug("RTT probe of %s failed: %s", url, e)
+            return
+        self._warm.add(url)
+        self.registry.record_rtt(pop, elapsed)
+
+    async def _run(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,163 @@
+"""PopRegistry: freshness, draining, restarts and ordering, reloads, RTT, snapshots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from edgeinfer.router.errors import RouterError
+from edgeinfer.router.pop_registry import PopConfig, PopRegistry
+from edgeinfer.shared.heartbeat import Heartbeat
+
+FRA, NYC = "http://fra-1:8000", "http://nyc-1:8000"
+PERIOD = 1.0
+
+
+def hb(url: str = FRA, pop: str = "fra", seq: int = 1, **overrides: Any) -> Heartbeat:
+    fields: dict[str, Any] = {
+        "daemon_id": url,
+        "pop": pop,
+        "role": "both",
+        "model": "m",
+        "kv_endpoint": url.replace("http", "tcp").replace("8000", "5600"),
+        "running": 2,
+        "waiting": 0,
+        "kv_blocks_free": 50,
+        "kv_blocks_total": 100,
+        "block_size": 16,
+        "prefill_tokens_per_s": 8000.0,
+        "decode_tokens_per_s": 300.0,
+        "ttft_p50_s": None,
+        "itl_p50_s": None,
+        "queued_prefill_tokens": 0,
+        "draining": False,
+        "drained": False,
+        "in_flight": 2,
+        "seq": seq,
+        "started_at": 100.0,
+        "sent_at": 100.0 + seq,
+    }
+    return Heartbeat(**(fields | overrides))
+
+
+def pops() -> list[PopConfig]:
+    return [PopConfig("fra", 50.11, 8.68, (FRA,)), PopConfig("nyc", 40.71, -74.01, (NYC + "/",))]
+
+
+@pytest.fixture
+def reg() -> PopRegistry:
+    return PopRegistry(pops(), here="fra", heartbeat_interval_s=PERIOD)
+
+
+def state(reg: PopRegistry, url: str, now: float) -> str:
+    return next(v for v in reg.snapshot(now) if v.url == url).state
+
+
+def test_pop_table_is_validated() -> None:
+    with pytest.raises(RouterError, match="lat"):
+        PopConfig("x", 91.0, 0.0)
+    with pytest.raises(RouterError, match="twice"):
+        PopConfig("x", 0.0, 0.0, ("http://a:1", "http://a:1/"))
+    with pytest.raises(RouterError, match="http"):
+        PopConfig("x", 0.0, 0.0, ("tcp://a:1",))
+    with pytest.raises(RouterError, match="'ams'"):
+        PopRegistry(pops(), here="ams", heartbeat_interval_s=1.0)
+    with pytest.raises(RouterError, match="listed in PoPs"):
+        PopRegistry([*pops(), PopConfig("ams", 52.4, 4.9, (FRA,))], "fra", 1.0)
+
+
+def test_unknown_daemon_and_wrong_pop_are_ignored(reg: PopRegistry) -> None:
+    assert reg.update(hb(url="http://ghost:8000"), 0.0) == "unknown_daemon"
+    assert reg.update(hb(pop="nyc"), 0.0) == "pop_mismatch"
+    assert state(reg, FRA, 0.0) == "no_heartbeat"
+    # Trailing slashes do not split one daemon into two identities.
+    assert reg.update(hb(url=NYC, pop="nyc"), 0.0) == "accepted"
+
+
+def test_stale_after_three_periods_and_back_when_it_speaks(reg: PopRegistry) -> None:
+    reg.update(hb(seq=1), 10.0)
+    assert state(reg, FRA, 10.0 + 3 * PERIOD) == "up"
+    view = next(v for v in reg.snapshot(10.0 + 3 * PERIOD + 0.01) if v.url == FRA)
+    assert (view.available, view.state) == (False, "stale")
+    assert "silent" in (view.reason or "")
+    reg.update(hb(seq=2), 20.0)
+    assert state(reg, FRA, 20.0) == "up"
+
+
+def test_draining_full_and_admin_drains_are_excluded(reg: PopRegistry) -> None:
+    reg.update(hb(seq=1, draining=True), 0.0)
+    assert state(reg, FRA, 0.0) == "draining"
+    reg.update(hb(seq=2, kv_blocks_free=0), 0.0)
+    assert state(reg, FRA, 0.0) == "kv_full"
+    reg.update(hb(seq=3), 0.0)
+    reg.drain_daemon(FRA)
+    assert state(reg, FRA, 0.0) == "admin_drained"
+    reg.undrain_daemon(FRA + "/")
+    reg.drain_pop("fra")
+    assert state(reg, FRA, 0.0) == "pop_drained" and reg.pop_drained("fra")
+    reg.undrain_pop("fra")
+    assert state(reg, FRA, 0.0) == "up"
+    with pytest.raises(RouterError, match="'ams'"):
+        reg.drain_pop("ams")
+    with pytest.raises(RouterError, match="http://nope:1"):
+        reg.drain_daemon("http://nope:1")
+
+
+def test_mark_down_lasts_until_the_next_heartbeat(reg: PopRegistry) -> None:
+    reg.update(hb(seq=1), 0.0)
+    reg.mark_down(FRA, 0.5)
+    reg.mark_down("http://removed-by-reload:1", 0.5)  # ignored, not an error
+    assert state(reg, FRA, 0.5) == "down"
+    reg.update(hb(seq=2), 1.0)
+    assert state(reg, FRA, 1.0) == "up"
+
+
+def test_out_of_order_and_restarts(reg: PopRegistry) -> None:
+    assert reg.update(hb(seq=5), 0.0) == "accepted"
+    assert reg.update(hb(seq=4, running=9), 0.1) == "out_of_order"
+    assert reg.update(hb(seq=5), 0.1) == "out_of_order"
+    assert reg.update(hb(seq=0, started_at=200.0), 0.2) == "restart"
+    # A late message of the previous incarnation cannot roll the state back.
+    assert reg.update(hb(seq=6, started_at=100.0), 0.3) == "out_of_order"
+    # Once stale, anything goes: a restart with the clock stepped back is heard again.
+    assert reg.update(hb(seq=0, started_at=50.0), 10.0) == "restart"
+    assert state(reg, FRA, 10.0) == "up"
+
+
+def test_snapshot_is_reused_until_something_changes(reg: PopRegistry) -> None:
+    reg.update(hb(seq=1), 0.0)
+    first = reg.snapshot(0.0)
+    assert reg.snapshot(0.5) is first
+    reg.update(hb(url=NYC, pop="nyc", seq=1), 0.6)
+    second = reg.snapshot(0.6)
+    assert second is not first
+    assert second[0] is first[0]  # the unchanged daemon keeps its view object
+    assert reg.snapshot(3.5) is not second  # FRA's freshness deadline passed
+
+
+def test_replace_pops_keeps_remaining_daemons(reg: PopRegistry) -> None:
+    reg.update(hb(seq=1), 0.0)
+    reg.drain_pop("nyc")
+    reg.record_rtt("fra", 0.01)
+    reg.replace_pops([PopConfig("fra", 50.11, 8.68, (FRA,)), PopConfig("ams", 52.37, 4.9)])
+    assert [p.name for p in reg.pops()] == ["fra", "ams"]
+    assert state(reg, FRA, 0.0) == "up"
+    assert reg.rtt("fra") == 0.01
+    assert not reg.pop_drained("ams")
+    assert [d.url for d in reg.daemons()] == [FRA]
+    with pytest.raises(RouterError, match="'nyc'"):
+        reg.rtt("nyc")
+
+
+def test_rtt_ewma_and_in_flight(reg: PopRegistry) -> None:
+    reg.record_rtt("nyc", 0.100)
+    reg.record_rtt("nyc", 0.200)
+    assert reg.rtt("nyc") == pytest.approx(0.130)
+    reg.record_rtt("gone", 1.0)  # a probe that outlived a reload: ignored
+    assert reg.rtt("fra") is None
+    reg.update(hb(seq=1, in_flight=3), 0.0)
+    assert reg.in_flight("fra", 1.0) == 3
+    assert reg.in_flight("fra", 10.0) == 0  # a silent daemon's count does not linger
+    view = next(v for v in reg.snapshot(0.0) if v.pop == "nyc")
+    assert view.rtt_s == pytest.approx(0.130) and view.lat == 40.71
