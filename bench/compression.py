@@ -67,12 +67,18 @@ def zstd_ratio(data: bytes, level: int) -> float:
     return len(zstandard.ZstdCompressor(level=level, threads=2).compress(data)) / len(data)
 
 
-def zipnn_ratio(data: bytes) -> float | None:
+def zipnn_result(data: bytes) -> dict[str, Any] | None:
+    """zipnn's ratio and whether it gives the input back (zipnn 0.5.4 here does not)."""
     if importlib.util.find_spec("zipnn") is None:
         return None
     from zipnn import ZipNN
 
-    return len(ZipNN(bytearray_dtype="bfloat16", input_format="byte").compress(data)) / len(data)
+    codec = ZipNN(bytearray_dtype="bfloat16", input_format="byte")
+    packed = codec.compress(data)
+    return {
+        "ratio": len(packed) / len(data),
+        "roundtrip_exact": bytes(codec.decompress(packed)) == data,
+    }
 
 
 def decode_throughput(compressed: Path, repeats: int) -> dict[str, float]:
@@ -138,7 +144,7 @@ def bench_model(label: str, model_dir: Path, repeats: int) -> dict[str, Any]:
         **speed,
         "zstd3_ratio": zstd_ratio(data, 3),
         "zstd19_ratio": zstd_ratio(data, 19),
-        "zipnn_ratio": zipnn_ratio(data),
+        "zipnn": zipnn_result(data),
     }
 
 
@@ -158,10 +164,16 @@ def print_result(result: dict[str, Any]) -> None:
         )
     console = Console()
     console.print(table)
-    zipnn = result["zipnn_ratio"]
+    zipnn = result["zipnn"]
+    if zipnn is None:
+        zipnn_text = "n/a"
+    else:
+        zipnn_text = f"{zipnn['ratio']:.2%}" + (
+            "" if zipnn["roundtrip_exact"] else " (NOT lossless)"
+        )
     console.print(
         f"zstd-3 {result['zstd3_ratio']:.2%}  zstd-19 {result['zstd19_ratio']:.2%}  "
-        f"zipnn {'n/a' if zipnn is None else f'{zipnn:.2%}'}  |  CPU decode, one core: "
+        f"zipnn {zipnn_text}  |  CPU decode, one core: "
         f"{result['decode_gbps_one_core']:.3f} GB/s (reader with CRC {result['reader_gbps_one_core']:.3f})"
     )
 

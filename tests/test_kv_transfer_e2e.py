@@ -61,7 +61,8 @@ async def test_remote_prefill_matches_single_engine(checkpoint: Path) -> None:
 async def test_decode_prefix_cache_skips_held_blocks(checkpoint: Path) -> None:
     base = prompt_of(200, offset=1000)
     shared = base[:160] + prompt_of(40, offset=2000)  # 10 whole blocks in common
-    want = reference_tokens(checkpoint, [base, shared])
+    whole = base[:192]  # every block already held: only the first token crosses the wire
+    want = reference_tokens(checkpoint, [base, shared, whole])
     async with running_pair(checkpoint) as pair:
         assert await remote_generate(pair, "prefix-1", base) == want[0]
         assert pair.server.stats.kv_bytes_sent == kv_bytes(13)
@@ -70,6 +71,9 @@ async def test_decode_prefix_cache_skips_held_blocks(checkpoint: Path) -> None:
         assert pair.server.stats.kv_bytes_sent == kv_bytes(13 + 3)
         assert pair.client.stats.kv_bytes_received == kv_bytes(13 + 3)
         assert pair.decode.engine.stats().prefix_cache_hits == 10
+        assert await remote_generate(pair, "prefix-3", whole) == want[2]
+        assert pair.server.stats.kv_bytes_sent == kv_bytes(13 + 3)
+        assert pair.client.stats.transfers_ok == 3
 
 
 async def test_concurrent_transfers_share_one_connection(checkpoint: Path) -> None:

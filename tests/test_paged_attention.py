@@ -17,6 +17,7 @@ from edgeinfer.kernels.paged_attention import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
+from edgeinfer.kernels.paged_attention_cpu import paged_decode_attention_cpu
 from edgeinfer.kernels.triton_utils import triton_available, triton_interpret
 
 DEVICE = "cuda" if torch.cuda.is_available() and not triton_interpret() else "cpu"
@@ -77,21 +78,26 @@ def check(actual, expected, dtype):
     torch.testing.assert_close(actual.cpu().double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+TORCH_DECODERS = {"batched": paged_decode_attention_ref, "per-seq-cpu": paged_decode_attention_cpu}
+
+
+@pytest.mark.parametrize("impl", list(TORCH_DECODERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("page", [16, 8])
-def test_decode_ref_matches_naive(dtype, group, page):
+def test_decode_ref_matches_naive(impl, dtype, group, page):
     k_cache, v_cache, tables, lens = make_cache(LENGTHS, 2, 32, page, dtype)
     q = torch.randn(len(LENGTHS), 2 * group, 32).to(dtype)
-    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+    out = TORCH_DECODERS[impl](q, k_cache, v_cache, tables, lens, 0.125)
     check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
 
 
-def test_decode_ref_zero_length_row_is_zero():
+@pytest.mark.parametrize("impl", list(TORCH_DECODERS))
+def test_decode_ref_zero_length_row_is_zero(impl):
     k_cache, v_cache, tables, lens = make_cache([5, 20], 2, 16, 16, torch.float32)
     lens[0] = 0
     q = torch.randn(2, 4, 16)
-    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
+    out = TORCH_DECODERS[impl](q, k_cache, v_cache, tables, lens, 0.25)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
 

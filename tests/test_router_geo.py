@@ -115,8 +115,11 @@ def test_kv_transfer_between_pops() -> None:
 
 @pytest.mark.asyncio
 async def test_rtt_prober_records_an_ewma_per_pop() -> None:
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
     app = web.Application()
-    app.router.add_get("/health", lambda _: web.json_response({"ok": True}))
+    app.router.add_get("/health", health)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")

@@ -63,7 +63,7 @@ def test_pop_table_is_validated() -> None:
         PopConfig("x", 0.0, 0.0, ("tcp://a:1",))
     with pytest.raises(RouterError, match="'ams'"):
         PopRegistry(pops(), here="ams", heartbeat_interval_s=1.0)
-    with pytest.raises(RouterError, match="listed in PoPs"):
+    with pytest.raises(RouterError, match="in PoPs"):
         PopRegistry([*pops(), PopConfig("ams", 52.4, 4.9, (FRA,))], "fra", 1.0)
 
 
@@ -80,7 +80,7 @@ def test_stale_after_three_periods_and_back_when_it_speaks(reg: PopRegistry) -> 
     assert state(reg, FRA, 10.0 + 3 * PERIOD) == "up"
     view = next(v for v in reg.snapshot(10.0 + 3 * PERIOD + 0.01) if v.url == FRA)
     assert (view.available, view.state) == (False, "stale")
-    assert "silent" in (view.reason or "")
+    assert view.reason == "heartbeats stopped"
     reg.update(hb(seq=2), 20.0)
     assert state(reg, FRA, 20.0) == "up"
 

@@ -42,7 +42,7 @@ class RateMeter:
     hardware does not get slower by idling; it reads 0.0 only until the first sample.
     """
 
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self.window_s = window_s

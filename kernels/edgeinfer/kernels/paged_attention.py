@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edgeinfer.kernels.paged_attention_cpu import paged_decode_attention_cpu
 from edgeinfer.kernels.triton_utils import cdiv, has_triton, split_k_factor, triton_available
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -292,9 +293,13 @@ def decode_attention(
     scale: float,
     out: Tensor | None = None,
 ) -> Tensor:
-    """Engine entry point: the Triton kernel for CUDA tensors when triton is usable, else the
-    torch reference (CPU, or CUDA without triton). Returns `out` when it is given."""
+    """Engine entry point: the Triton kernel for CUDA tensors when triton is usable, the
+    per-sequence torch path on the CPU, else the batched torch reference. Returns `out` when
+    it is given."""
     if q.is_cuda and triton_available():
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
-    result = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if q.device.type == "cpu":
+        result = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
+    else:
+        result = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     return result if out is None else out.copy_(result)

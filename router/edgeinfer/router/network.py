@@ -103,6 +103,31 @@ class NetworkModel:
         return 0.0 if rtt == 0.0 else rtt + kv_bytes / self.inter_pop_bytes_per_s
 
 
+class PopGeometry:
+    """PoP positions as unit vectors and the PoP-to-PoP RTT floor matrix (0 within a PoP)."""
+
+    def __init__(self, pops: dict[str, tuple[float, float]], net: NetworkModel) -> None:
+        self.index = {name: i for i, name in enumerate(pops)}
+        lat_lon = np.asarray(list(pops.values()), dtype=np.float64).reshape(len(pops), 2)
+        self.xyz: FloatArray = unit_vectors(lat_lon[:, 0], lat_lon[:, 1])
+        rtt = np.asarray(net.rtt_floor_from_dot_s(self.xyz @ self.xyz.T))
+        np.fill_diagonal(rtt, 0.0)  # as inter_pop_rtt_s: a LAN hop is noise at this scale
+        self.rtt: FloatArray = rtt
+        self.xyz_of = {name: self.xyz[i].tolist() for name, i in self.index.items()}
+
+
+_geometry: tuple[dict[str, tuple[float, float]], NetworkModel, PopGeometry] | None = None
+
+
+def pop_geometry(pops: dict[str, tuple[float, float]], net: NetworkModel) -> PopGeometry:
+    """The geometry of ``pops`` (name -> lat, lon), cached: only a reload of the PoP table
+    changes it, and its O(PoPs^2) matrix is too dear to rebuild on every heartbeat."""
+    global _geometry
+    if _geometry is None or _geometry[0] != pops or _geometry[1] != net:
+        _geometry = (pops, net, PopGeometry(pops, net))
+    return _geometry[2]
+
+
 class RttProber:
     """Measures HTTP round trips from this router to one daemon per PoP, into the registry.
 

@@ -1,13 +1,9 @@
 """What the router knows about every PoP and daemon: configuration, heartbeats, admin state.
 
-The registry is the single writer of that state (heartbeat listener, proxy, admin API, RTT prober
-all go through it) and :meth:`PopRegistry.snapshot` is the readers' view: a list of immutable
-:class:`DaemonView`. The same list object is returned until something changes (callers must not
-mutate it), so the selector can cache its per-snapshot arrays on identity; and only daemons that
-changed get a new view: at 600 daemons heartbeating every 5 s that is ~120 cheap rebuilds a
-second, not 120 full ones.
-
-Time is always passed in (``now``, monotonic seconds) so tests can drive it.
+Every writer (heartbeat listener, proxy, admin API, RTT prober) goes through the registry;
+:meth:`PopRegistry.snapshot` returns immutable :class:`DaemonView` s in a list that stays the same
+object until something changes (do not mutate it), so the selector caches arrays on identity.
+Only changed daemons get a new view. Time (``now``, monotonic s) is passed in for tests.
 """
 
 from __future__ import annotations
@@ -15,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable, Sequence
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from edgeinfer.router.errors import RouterError
 from edgeinfer.shared.heartbeat import Heartbeat, Role
@@ -25,19 +21,14 @@ from edgeinfer.shared.heartbeat import Heartbeat, Role
 # heartbeat is noise, three in a row is a dead process or a partition.
 STALE_PERIODS = 3
 
+RTT_ALPHA = 0.3  # EWMA weight: a few probes follow a real shift, one outlier moves it < 1/3
+
 UpdateResult = Literal["accepted", "restart", "unknown_daemon", "pop_mismatch", "out_of_order"]
 # DaemonView.state: "up", or why the daemon gets nothing new (stable codes for tools).
 DaemonStateCode = Literal[
-    "up",
-    "no_heartbeat",
-    "stale",
-    "down",
-    "admin_drained",
-    "pop_drained",
-    "draining",
-    "kv_full",
+    "up", "no_heartbeat", "stale", "down", "admin_drained", "pop_drained", "draining", "kv_full",
     "no_kv_endpoint",
-]
+]  # fmt: skip
 
 
 def normalize_url(url: str) -> str:
@@ -55,10 +46,9 @@ class PopConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise RouterError("PoP name must not be empty")
-        if not (math.isfinite(self.lat) and -90 <= self.lat <= 90):
-            raise RouterError(f"PoP {self.name!r}: lat {self.lat} not in [-90, 90]")
-        if not (math.isfinite(self.lon) and -180 <= self.lon <= 180):
-            raise RouterError(f"PoP {self.name!r}: lon {self.lon} not in [-180, 180]")
+        for axis, value, limit in (("lat", self.lat, 90), ("lon", self.lon, 180)):
+            if not (math.isfinite(value) and -limit <= value <= limit):
+                raise RouterError(f"PoP {self.name!r}: {axis} {value} not in [-{limit}, {limit}]")
         urls = tuple(normalize_url(u) for u in self.daemons)
         for url in urls:
             if not url.startswith(("http://", "https://")):
@@ -113,19 +103,11 @@ class DaemonState:
 
 
 class PopRegistry:
-    def __init__(
-        self,
-        pops: Sequence[PopConfig],
-        here: str,
-        heartbeat_interval_s: float,
-        *,
-        rtt_alpha: float = 0.3,
-    ) -> None:
+    def __init__(self, pops: Sequence[PopConfig], here: str, heartbeat_interval_s: float) -> None:
         if heartbeat_interval_s <= 0:
             raise RouterError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
         self.here = here
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.rtt_alpha = rtt_alpha
         self._pops: dict[str, PopConfig] = {}
         self._daemons: dict[str, DaemonState] = {}
         self._drained_pops: set[str] = set()
@@ -135,8 +117,6 @@ class PopRegistry:
         self._snapshot: list[DaemonView] | None = None
         self._valid: tuple[float, float] = (0.0, 0.0)  # [built at, first freshness expiry)
         self.replace_pops(pops)
-
-    # ---- configuration ----
 
     def replace_pops(self, pops: Sequence[PopConfig]) -> None:
         """Install a new PoP table (SIGHUP reload); daemons that remain keep their state."""
@@ -149,9 +129,7 @@ class PopRegistry:
         for pop in pops:
             for url in pop.daemons:
                 if url in owner:
-                    raise RouterError(
-                        f"daemon {url!r} is listed in PoPs {owner[url]!r} and {pop.name!r}"
-                    )
+                    raise RouterError(f"daemon {url!r} is in PoPs {owner[url]!r} and {pop.name!r}")
                 owner[url] = pop.name
         old = self._daemons
         self._daemons = {
@@ -178,8 +156,6 @@ class PopRegistry:
     def pop_drained(self, name: str) -> bool:
         return self._known_pop(name) in self._drained_pops
 
-    # ---- writers ----
-
     def update(self, hb: Heartbeat, now: float) -> UpdateResult:
         """Record a heartbeat; returns what happened to it (the listener counts outcomes)."""
         state = self._daemons.get(normalize_url(hb.daemon_id))
@@ -198,12 +174,10 @@ class PopRegistry:
             and (hb.started_at, hb.seq) <= (prev.started_at, prev.seq)
         ):
             return "out_of_order"
-        result: UpdateResult = (
-            "restart" if prev is not None and hb.started_at != prev.started_at else "accepted"
-        )
+        restart = prev is not None and hb.started_at != prev.started_at
         state.heartbeat, state.last_seen, state.down_since = hb, now, None
         self._dirty.add(state.url)
-        return result
+        return "restart" if restart else "accepted"
 
     def mark_down(self, url: str, now: float) -> None:
         """Take a daemon out after a connect error, until its next heartbeat."""
@@ -213,31 +187,31 @@ class PopRegistry:
             state.down_since = now
             self._dirty.add(state.url)
 
-    def drain_pop(self, name: str) -> None:
-        self._drained_pops.add(self._known_pop(name))
+    def drain_pop(self, name: str, drained: bool = True) -> None:
+        if drained:
+            self._drained_pops.add(self._known_pop(name))
+        else:
+            self._drained_pops.discard(self._known_pop(name))
         self._dirty.update(self._pops[name].daemons)
 
     def undrain_pop(self, name: str) -> None:
-        self._drained_pops.discard(self._known_pop(name))
-        self._dirty.update(self._pops[name].daemons)
+        self.drain_pop(name, drained=False)
 
-    def drain_daemon(self, url: str) -> None:
-        self._known_daemon(url).admin_drained = True
-        self._dirty.add(normalize_url(url))
+    def drain_daemon(self, url: str, drained: bool = True) -> None:
+        state = self._known_daemon(url)
+        state.admin_drained = drained
+        self._dirty.add(state.url)
 
     def undrain_daemon(self, url: str) -> None:
-        self._known_daemon(url).admin_drained = False
-        self._dirty.add(normalize_url(url))
+        self.drain_daemon(url, drained=False)
 
     def record_rtt(self, pop: str, seconds: float) -> None:
         # A probe can finish after a reload removed its PoP; its result is then moot.
         if pop not in self._pops or not math.isfinite(seconds) or seconds < 0:
             return
         prev = self._rtt.get(pop)
-        self._rtt[pop] = seconds if prev is None else prev + self.rtt_alpha * (seconds - prev)
+        self._rtt[pop] = seconds if prev is None else prev + RTT_ALPHA * (seconds - prev)
         self._dirty.update(self._pops[pop].daemons)
-
-    # ---- readers ----
 
     def rtt(self, pop: str) -> float | None:
         return self._rtt.get(self._known_pop(pop))
@@ -246,12 +220,9 @@ class PopRegistry:
         """Requests in flight in a PoP, per its daemons' fresh heartbeats (a dead daemon's last
         count would otherwise linger)."""
         now = time.monotonic() if now is None else now
-        states = (self._daemons[url] for url in self._pops[self._known_pop(pop)].daemons)
-        return sum(
-            d.heartbeat.in_flight
-            for d in states
-            if d.heartbeat is not None and d.fresh(now, self.heartbeat_interval_s)
-        )
+        states = [self._daemons[url] for url in self._pops[self._known_pop(pop)].daemons]
+        fresh = [d.heartbeat for d in states if d.fresh(now, self.heartbeat_interval_s)]
+        return sum(hb.in_flight for hb in fresh if hb is not None)
 
     def snapshot(self, now: float) -> list[DaemonView]:
         built_at, expires_at = self._valid
@@ -262,18 +233,12 @@ class PopRegistry:
         for url in self._daemons if stale else self._dirty:
             self._views[url] = self._build_view(self._daemons[url], now)
         self._dirty.clear()
+        # The cached list stays valid until the first fresh daemon could go stale.
         period = STALE_PERIODS * self.heartbeat_interval_s
-        deadlines = (
-            d.last_seen + period
-            for d in self._daemons.values()
-            if d.last_seen is not None and d.fresh(now, self.heartbeat_interval_s)
-        )
-        # The cached tuple stays valid until the first fresh daemon could go stale.
-        self._valid = (now, min(deadlines, default=math.inf))
+        seen = [d.last_seen for d in self._daemons.values() if d.last_seen is not None]
+        self._valid = (now, min((t + period for t in seen if t + period >= now), default=math.inf))
         self._snapshot = [self._views[url] for url in self._daemons]
         return self._snapshot
-
-    # ---- internals ----
 
     def _known_pop(self, name: str) -> str:
         if name not in self._pops:
@@ -288,45 +253,30 @@ class PopRegistry:
 
     def _build_view(self, d: DaemonState, now: float) -> DaemonView:
         hb, pop = d.heartbeat, self._pops[d.pop]
-        state, reason = _first_failure(
-            (
-                ("no_heartbeat", hb is None, "no heartbeat yet"),
-                (
-                    "stale",
-                    not d.fresh(now, self.heartbeat_interval_s),
-                    f"silent for over {STALE_PERIODS} heartbeat periods",
-                ),
-                ("down", d.down_since is not None, "connection failed; waiting for a heartbeat"),
-                ("admin_drained", d.admin_drained, "drained by admin"),
-                ("pop_drained", d.pop in self._drained_pops, "PoP drained by admin"),
-                ("draining", hb is not None and (hb.draining or hb.drained), "draining"),
-                ("kv_full", hb is not None and hb.kv_blocks_free == 0, "KV cache full"),
-                (
-                    "no_kv_endpoint",
-                    hb is not None and hb.role == "prefill" and hb.kv_endpoint is None,
-                    "prefill daemon without kv_endpoint",
-                ),
-            )
-        )
+        checks: list[tuple[DaemonStateCode, bool, str]] = [
+            ("no_heartbeat", hb is None, "no heartbeat yet"),
+            ("stale", not d.fresh(now, self.heartbeat_interval_s), "heartbeats stopped"),
+            ("down", d.down_since is not None, "connection failed; waiting for a heartbeat"),
+            ("admin_drained", d.admin_drained, "drained by admin"),
+            ("pop_drained", d.pop in self._drained_pops, "PoP drained by admin"),
+        ]
+        if hb is not None:
+            checks += [
+                ("draining", hb.draining or hb.drained, "draining"),
+                ("kv_full", hb.kv_blocks_free == 0, "KV cache full"),
+                ("no_kv_endpoint", hb.role == "prefill" and not hb.kv_endpoint, "no kv_endpoint"),
+            ]
+        # Checks run in order of how fundamental they are; the first failure names the state.
+        up: tuple[DaemonStateCode, str | None] = ("up", None)
+        state, reason = next(((c, why) for c, bad, why in checks if bad), up)
+        # Before the first heartbeat the load fields read as an empty daemon (never placeable).
+        load = {f: getattr(hb, f) for f in _FROM_HEARTBEAT} if hb else _NO_HEARTBEAT
         return DaemonView(
             url=d.url,
             pop=d.pop,
             lat=pop.lat,
             lon=pop.lon,
-            role=hb.role if hb else None,
-            model=hb.model if hb else None,
-            kv_endpoint=hb.kv_endpoint if hb else None,
-            running=hb.running if hb else 0,
-            waiting=hb.waiting if hb else 0,
-            kv_blocks_free=hb.kv_blocks_free if hb else 0,
-            kv_blocks_total=hb.kv_blocks_total if hb else 0,
-            block_size=hb.block_size if hb else 1,
-            prefill_tokens_per_s=hb.prefill_tokens_per_s if hb else 0.0,
-            decode_tokens_per_s=hb.decode_tokens_per_s if hb else 0.0,
-            ttft_p50_s=hb.ttft_p50_s if hb else None,
-            itl_p50_s=hb.itl_p50_s if hb else None,
-            queued_prefill_tokens=hb.queued_prefill_tokens if hb else 0,
-            in_flight=hb.in_flight if hb else 0,
+            **load,
             draining=bool(hb and (hb.draining or hb.drained)),
             admin_drained=d.admin_drained or d.pop in self._drained_pops,
             last_seen=d.last_seen,
@@ -337,8 +287,11 @@ class PopRegistry:
         )
 
 
-def _first_failure(
-    checks: Iterable[tuple[DaemonStateCode, bool, str]],
-) -> tuple[DaemonStateCode, str | None]:
-    """The first failing check, in order of how fundamental it is; ("up", None) if none fails."""
-    return next(((code, why) for code, failed, why in checks if failed), ("up", None))
+# DaemonView fields copied verbatim from the latest heartbeat, and their values before one.
+_NO_HEARTBEAT: dict[str, Any] = {
+    "role": None, "model": None, "kv_endpoint": None, "running": 0, "waiting": 0,
+    "kv_blocks_free": 0, "kv_blocks_total": 0, "block_size": 1, "prefill_tokens_per_s": 0.0,
+    "decode_tokens_per_s": 0.0, "ttft_p50_s": None, "itl_p50_s": None,
+    "queued_prefill_tokens": 0, "in_flight": 0,
+}  # fmt: skip
+_FROM_HEARTBEAT = tuple(_NO_HEARTBEAT)

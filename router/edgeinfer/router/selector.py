@@ -19,9 +19,10 @@ candidates within ``near_tie_s`` of the best, two are drawn at random and the le
 answer has one placement per decode daemon, best first, so the proxy's retries go elsewhere.
 
 Speed: arrays of every daemon's load are built once per registry snapshot (the registry returns
-the same list object until something changes; PoP geometry is kept until a reload); a decision
-then costs about twenty numpy calls: a TTFT lower bound for every D, the ``decode_candidates``
-best kept, and their exact costs against a small prefill pool in one small matrix.
+the same list object until something changes; PoP geometry is kept until a reload). A decision
+ranks every D by network RTT plus a static key (SLO penalty, admission, cheapest prefill for a
+reference prompt), keeps the ``decode_candidates`` best and prices those exactly: the prefill
+pool in one small numpy matrix, the rest in plain Python.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import dataclasses
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,7 +41,8 @@ from edgeinfer.router.network import (
     FloatArray,
     IntArray,
     NetworkModel,
-    unit_vectors,
+    PopGeometry,
+    pop_geometry,
 )
 from edgeinfer.router.pop_registry import DaemonView
 
@@ -94,103 +96,68 @@ class Placement:
 
 @dataclasses.dataclass
 class _Arrays:
-    """Per-snapshot, per-model inputs of the cost model.
-
-    ``d_*``: one entry per available decode-capable daemon. Remote prefill is priced against a
-    small set: per decode daemon its best *co-located* prefill daemon (no transfer), plus a pool
-    of the prefill daemons with the shortest queue-plus-compute for a short and for a long
-    prompt. A far prefill daemon that is neither cheap nor near can only lose: its pages must
-    still cross the network.
-    """
+    """Per-snapshot, per-model inputs of the cost model; ``d_*`` has one entry per available
+    decode-capable daemon. Remote prefill is priced per D against its best *co-located* prefill
+    daemon (no transfer) and a pool of the cheapest ones for a short and for a long prompt: a
+    far prefill daemon that is neither cheap nor near can only lose, its pages must travel."""
 
     d: list[DaemonView]
     d_xyz: FloatArray
     d_measured: FloatArray  # router's RTT EWMA to the daemon's PoP, 0 when unmeasured
-    d_free_tokens: FloatArray  # room for a request now; -1 when requests are already waiting
-    d_admit_wait: FloatArray  # seconds until a slot frees when there is no room
-    d_local_q: FloatArray  # own prefill queue, seconds
-    d_local_inv: FloatArray  # seconds per prompt token when prefilling locally
-    d_local_limited: FloatArray  # inf where only short prompts may prefill locally
-    d_itl: FloatArray
-    d_penalty: FloatArray  # 0, or _BIG + itl over the SLO
+    # Per D: free_tokens (-1 when requests wait), admit_wait_s, local_q_s, local_s_per_token,
+    # local_limited (inf: only short prompts may prefill locally), colo_q_s (inf: none),
+    # colo_s_per_token, penalty (0, or _BIG + itl over the SLO), itl_s. Read in Python per kept D.
+    d_rows: FloatArray
+    d_key_short: FloatArray  # pruning key without the network, for short prompts (see select)
+    d_key_long: FloatArray  # ... and for prompts over local_prefill_max_tokens
     d_load: list[int]  # running + waiting, for the power-of-two choice
-    d_pop: IntArray  # index into the PoP geometry
     p: list[DaemonView]  # available daemons that can prefill for others
     p_q: FloatArray
     p_inv: FloatArray
-    p_pop: IntArray
     colo: list[int]  # per D: index into p of its best co-located prefill daemon, -1 if none
-    colo_q: FloatArray  # that daemon's queue seconds (inf if none) ...
-    colo_inv: FloatArray  # ... and seconds per token (0 if none)
     pool: IntArray  # indices into p
     d_pool_rtt: FloatArray  # [D, pool] RTT, 0 within a PoP
 
 
-class _Geometry:
-    """PoP positions and the PoP-to-PoP RTT matrix; only a reload changes them."""
-
-    def __init__(self, pops: dict[str, tuple[float, float]], net: NetworkModel) -> None:
-        self.index = {name: i for i, name in enumerate(pops)}
-        lat_lon = np.asarray(list(pops.values()), dtype=np.float64).reshape(len(pops), 2)
-        self.xyz: FloatArray = unit_vectors(lat_lon[:, 0], lat_lon[:, 1])
-        rtt = np.asarray(net.rtt_floor_from_dot_s(self.xyz @ self.xyz.T))
-        np.fill_diagonal(rtt, 0.0)  # inside a PoP: no transfer cost, as NetworkModel says
-        self.rtt: FloatArray = rtt
-
-
 class _Prepared:
-    def __init__(self, views: Sequence[DaemonView], geo: _Geometry, cfg: PlacementConfig):
+    def __init__(
+        self, views: Sequence[DaemonView], geo: PopGeometry, net: NetworkModel, cfg: PlacementConfig
+    ) -> None:
         self.views, self.geo, self.cfg = list(views), geo, cfg
-        serving = [v for v in views if v.available and v.model and v.role != "prefill"]
-        counts = Counter(v.model for v in serving)
+        # Clients whose dot product with the router's PoP exceeds this are in its catchment.
+        self.catchment_dot = math.cos(net.catchment_km / EARTH_RADIUS_KM)
+        counts = Counter(v.model for v in views if v.available and v.model and v.role != "prefill")
         # Ties broken by name so every router picks the same default.
         self.default_model = min(counts, key=lambda m: (-counts[m], m)) if counts else None
         self._by_model: dict[str, _Arrays] = {}
 
     def arrays(self, model: str) -> _Arrays:
-        if model not in self._by_model:
-            self._by_model[model] = self._build(model)
-        return self._by_model[model]
+        return self._by_model.get(model) or self._by_model.setdefault(model, self._build(model))
 
     def _build(self, model: str) -> _Arrays:
         cfg, geo = self.cfg, self.geo
         mine = [v for v in self.views if v.available and v.model == model]
         d = [v for v in mine if v.role in ("decode", "both")]
         p = [v for v in mine if v.role in ("prefill", "both") and v.kv_endpoint]
-        # One pass per side into a 2-D array, then column arithmetic: a snapshot is rebuilt on
-        # every heartbeat, so this runs ~100 times a second at 600 daemons.
-        nan = math.nan
-        dm = _table(
-            d,
-            lambda v: (
-                v.running,
-                v.waiting,
-                v.kv_blocks_free * v.block_size,
-                v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s,
-                v.decode_tokens_per_s or cfg.default_decode_tokens_per_s,
-                v.queued_prefill_tokens,
-                v.rtt_s or 0.0,
-                v.itl_p50_s if v.itl_p50_s is not None else nan,
-                v.role == "both",
-                geo.index[v.pop],
-            ),
-            10,
-        )
+        # One pass per side into a 2-D array: this runs per heartbeat (~100/s at 600 daemons).
+        dm = np.asarray([
+            (v.running, v.waiting, v.kv_blocks_free * v.block_size,
+             v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s,
+             v.decode_tokens_per_s or cfg.default_decode_tokens_per_s, v.queued_prefill_tokens,
+             v.rtt_s or 0.0, v.itl_p50_s if v.itl_p50_s is not None else math.nan,
+             v.role == "both", geo.index[v.pop], v.decode_tokens_per_s > 0)
+            for v in d
+        ], dtype=np.float64).reshape(len(d), 11)  # fmt: skip
         running, waiting, free, local_rate, d_rate, local_queued = dm[:, :6].T
         # Aggregate rate R at batch B means a step of B/R; one more sequence makes it (B+1)/R.
         p50 = np.where(np.isnan(dm[:, 7]), cfg.default_itl_s, dm[:, 7])
-        measured = np.asarray([v.decode_tokens_per_s > 0 for v in d], dtype=bool)
-        d_itl = np.where((running > 0) & measured, (running + 1) / d_rate, p50)
+        d_itl = np.where((running > 0) & (dm[:, 10] > 0), (running + 1) / d_rate, p50)
         d_pop = dm[:, 9].astype(np.intp)
-        pm = _table(
-            p,
-            lambda v: (
-                v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s,
-                v.queued_prefill_tokens,
-                geo.index[v.pop],
-            ),
-            3,
-        )
+        pm = np.asarray([
+            (v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s, v.queued_prefill_tokens,
+             geo.index[v.pop])
+            for v in p
+        ], dtype=np.float64).reshape(len(p), 3)  # fmt: skip
         p_inv = 1.0 / pm[:, 0]
         p_q, p_pop = pm[:, 1] * p_inv, pm[:, 2].astype(np.intp)
         # Best prefill daemon of each PoP, judged on one chunk (queues differ more than speeds).
@@ -204,59 +171,51 @@ class _Prepared:
         sizes = (cfg.local_prefill_max_tokens, 8 * cfg.prefill_chunk_tokens)
         ranked = [np.argsort(p_q + n * p_inv, kind="stable")[: cfg.prefill_pool] for n in sizes]
         pool = np.unique(np.concatenate(ranked)).astype(np.intp)
+        colo_q = np.where(has, p_q[colo] if p else 0.0, math.inf)
+        colo_inv = np.where(has, p_inv[colo] if p else 0.0, 0.0)
+        local_q, local_inv = local_queued / local_rate, 1.0 / local_rate
+        limited = np.where(dm[:, 8] > 0, 0.0, math.inf)
+        penalty = np.where(d_itl <= cfg.itl_slo_s, 0.0, _BIG + d_itl)
+        admit_wait = (waiting + 1.0) * cfg.mean_output_tokens / d_rate
+        static = penalty + np.where(waiting > 0, admit_wait, 0.0)
+
+        def key(n: int, lim: FloatArray) -> FloatArray:
+            pooled = (p_q + n * p_inv)[pool].min() if len(pool) else math.inf
+            own = np.minimum(local_q + n * local_inv + lim, colo_q + n * colo_inv)
+            return static + np.minimum(own, pooled)
+
+        rows = (np.where(waiting > 0, -1.0, free), admit_wait, local_q, local_inv, limited)
         return _Arrays(
             d=d,
             d_xyz=geo.xyz[d_pop].reshape(len(d), 3),
             d_measured=dm[:, 6].copy(),
-            d_free_tokens=np.where(waiting > 0, -1.0, free),
-            d_admit_wait=(waiting + 1.0) * cfg.mean_output_tokens / d_rate,
-            d_local_q=local_queued / local_rate,
-            d_local_inv=1.0 / local_rate,
-            d_local_limited=np.where(dm[:, 8] > 0, 0.0, math.inf),
-            d_itl=d_itl,
-            d_penalty=np.where(d_itl <= cfg.itl_slo_s, 0.0, _BIG + d_itl),
+            d_rows=np.stack([*rows, colo_q, colo_inv, penalty, d_itl], axis=1),
+            d_key_short=key(cfg.local_prefill_max_tokens, np.zeros(len(d))),
+            d_key_long=key(4 * cfg.prefill_chunk_tokens, limited),
             d_load=(running + waiting).astype(int).tolist(),
-            d_pop=d_pop,
             p=p,
             p_q=p_q,
             p_inv=p_inv,
-            p_pop=p_pop,
             colo=colo,
-            colo_q=np.where(has, p_q[colo] if p else 0.0, math.inf),
-            colo_inv=np.where(has, p_inv[colo] if p else 0.0, 0.0),
             pool=pool,
             d_pool_rtt=geo.rtt[d_pop][:, p_pop[pool]],
         )
 
 
-def _table(
-    views: list[DaemonView], row: Callable[[DaemonView], tuple[float, ...]], width: int
-) -> FloatArray:
-    return np.asarray([row(v) for v in views], dtype=np.float64).reshape(len(views), width)
-
-
-# One entry each: routers place against the latest snapshot, so an older one is never asked
-# again; the geometry outlives snapshots (only a reload of the PoP table changes it).
-_geometry: tuple[dict[str, tuple[float, float]], NetworkModel, _Geometry] | None = None
+# One entry: routers place against the latest snapshot, so an older one is never asked again.
 _snapshot: tuple[Sequence[DaemonView], NetworkModel, PlacementConfig, _Prepared] | None = None
 
 
 def _prepared(views: Sequence[DaemonView], net: NetworkModel, cfg: PlacementConfig) -> _Prepared:
-    global _geometry, _snapshot
+    global _snapshot
     s = _snapshot
-    if (
-        s is not None
-        and s[0] is views
-        and (s[1] is net or s[1] == net)
-        and (s[2] is cfg or s[2] == cfg)
-    ):
+    # `in` tests identity before equality, which for a dataclass builds tuples: the proxy
+    # passes the same objects every time.
+    if s is not None and s[0] is views and s[1] in (net,) and s[2] in (cfg,):
         return s[3]
-    pops = {v.pop: (v.lat, v.lon) for v in views}
-    if _geometry is None or _geometry[0] != pops or _geometry[1] != net:
-        _geometry = (pops, net, _Geometry(pops, net))
-    prepared = _Prepared(views, _geometry[2], cfg)
-    _snapshot = (views, net, cfg, prepared)
-    return prepared
+    geo = pop_geometry({v.pop: (v.lat, v.lon) for v in views}, net)
+    _snapshot = (views, net, cfg, _Prepared(views, geo, net, cfg))
+    return _snapshot[3]
 
 
 def select(
@@ -272,91 +231,70 @@ def select(
     """Placements for one request, best first, one per decode daemon; [] if none can take it."""
     prep = _prepared(views, net, cfg)
     model = features.model if features.model is not None else prep.default_model
-    if model is None or limit < 1:
-        return []
-    a = prep.arrays(model)
-    if not a.d:
+    a = prep.arrays(model) if model is not None else None
+    if a is None or not a.d or limit < 1:
         return []
     prompt = max(1, features.prompt_tokens)
     lat, lon = math.radians(client.lat), math.radians(client.lon)
-    c = np.array((math.cos(lat) * math.cos(lon), math.cos(lat) * math.sin(lon), math.sin(lat)))
-    net_s = net.rtt_floor_from_dot_s(a.d_xyz @ c)
-    here_i = prep.geo.index.get(here)
-    if here_i is not None and prep.geo.xyz[here_i] @ c >= math.cos(
-        net.catchment_km / EARTH_RADIUS_KM
-    ):
+    xyz = (math.cos(lat) * math.cos(lon), math.cos(lat) * math.sin(lon), math.sin(lat))
+    net_s = net.rtt_floor_from_dot_s(a.d_xyz @ np.array(xyz))
+    h = prep.geo.xyz_of.get(here)
+    if h is not None and h[0] * xyz[0] + h[1] * xyz[1] + h[2] * xyz[2] >= prep.catchment_dot:
         net_s = np.maximum(net_s, a.d_measured)
-    admit = np.where(a.d_free_tokens >= prompt + features.max_tokens, 0.0, a.d_admit_wait)
-    local = a.d_local_q + prompt * a.d_local_inv
-    if prompt > cfg.local_prefill_max_tokens:
-        local += a.d_local_limited
-    colo = a.colo_q + prompt * a.colo_inv
-    pool_compute = prompt * a.p_inv[a.pool]
-    pool_cost = a.p_q[a.pool] + pool_compute
-    base = net_s + admit + a.d_penalty
-    # Lower bound of each D's TTFT: a pool daemon at no transfer cost.
-    own = np.minimum(local, colo)
-    bound = base + (np.minimum(own, pool_cost.min()) if len(a.pool) else own)
+    # Keep the D with the best network + static cost; price them exactly below.
+    short = prompt <= cfg.local_prefill_max_tokens
+    bound = net_s + (a.d_key_short if short else a.d_key_long)
     k = cfg.decode_candidates
     sel = np.argpartition(bound, k - 1)[:k] if len(a.d) > k else np.arange(len(a.d))
+    pool_s, kv_l, best_l = [math.inf] * len(sel), [0.0] * len(sel), [0] * len(sel)
     if len(a.pool):
+        pool_compute = prompt * a.p_inv[a.pool]
         # Pages of all chunks but the last stream while later chunks compute.
         kv_bytes_s = prompt * cfg.kv_bytes_per_token / net.inter_pop_bytes_per_s
         last_chunk_s = min(prompt, cfg.prefill_chunk_tokens) / prompt * kv_bytes_s
-        exposed = np.maximum(kv_bytes_s - pool_compute, last_chunk_s)
         rtt = a.d_pool_rtt[sel]
-        kv = rtt + (rtt > 0) * exposed
-        total = kv + pool_cost
-        best_pool = total.argmin(axis=1)
-        pool_s = total[np.arange(len(sel)), best_pool].tolist()
-        kv_l = kv[np.arange(len(sel)), best_pool].tolist()
-        best_pool_l = best_pool.tolist()
-    else:
-        pool_s = kv_l = [math.inf] * len(sel)
-        best_pool_l = [0] * len(sel)
+        kv = rtt + (rtt > 0) * np.maximum(kv_bytes_s - pool_compute, last_chunk_s)
+        total = kv + (a.p_q[a.pool] + pool_compute)
+        best = total.argmin(axis=1)
+        rows = np.arange(len(sel))
+        pool_s, kv_l, best_l = total[rows, best].tolist(), kv[rows, best].tolist(), best.tolist()
     # From here on: a handful of candidates, cheaper in plain Python than in numpy calls.
-    sel_l, base_l = sel.tolist(), base[sel].tolist()
-    local_l, colo_l = local[sel].tolist(), colo[sel].tolist()
-    scored = []
-    for j in range(len(sel_l)):
-        best = min(local_l[j], colo_l[j], pool_s[j])
-        if best < math.inf:
-            scored.append((base_l[j] + best, j))
+    sel_l, net_l, stats = sel.tolist(), net_s[sel].tolist(), a.d_rows[sel].tolist()
+    need = prompt + features.max_tokens
+    scored, terms_l = [], []
+    for j, (free, wait, lq, linv, lim, cq, cinv, pen, itl) in enumerate(stats):
+        admit = 0.0 if free >= need else wait
+        local = lq + prompt * linv + (0.0 if short else lim)
+        best_prefill = min(local, cq + prompt * cinv, pool_s[j])
+        if best_prefill < math.inf:
+            scored.append((net_l[j] + admit + pen + best_prefill, j))
+        terms_l.append((admit, local, cq + prompt * cinv, best_prefill, lq, linv, itl))
+    scored.sort()
     if not scored:
         return []
-    scored.sort()
     order = [j for _, j in scored]
     ties = [j for score, j in scored if score <= scored[0][0] + cfg.near_tie_s]
     if len(ties) >= 2:
-        i, j = rng.sample(ties, 2)
-        first = i if a.d_load[sel_l[i]] <= a.d_load[sel_l[j]] else j
-        order.remove(first)
+        # Two distinct random picks without random.sample's overhead.
+        i = rng.randrange(len(ties))
+        i, j = ties[i], ties[(i + 1 + rng.randrange(len(ties) - 1)) % len(ties)]
+        order.remove(first := i if a.d_load[sel_l[i]] <= a.d_load[sel_l[j]] else j)
         order.insert(0, first)
     out = []
     for j in order[:limit]:
         di = sel_l[j]
-        if local_l[j] <= min(colo_l[j], pool_s[j]):
-            prefill, queue, per_token, kv_s = None, a.d_local_q[di], a.d_local_inv[di], 0.0
-        else:
-            pi = a.colo[di] if colo_l[j] <= pool_s[j] else int(a.pool[best_pool_l[j]])
+        admit, local, colo, best_prefill, queue, per_token, itl = terms_l[j]
+        prefill, kv_s = None, 0.0
+        if local != best_prefill:
+            pi = a.colo[di] if colo == best_prefill else int(a.pool[best_l[j]])
             kv_s = 0.0 if pi == a.colo[di] else kv_l[j]
-            prefill, queue, per_token = a.p[pi], a.p_q[pi], a.p_inv[pi]
-        terms = {
-            "net_s": float(net_s[di]),
-            "admission_s": float(admit[di]),
-            "prefill_queue_s": float(queue),
-            "prefill_compute_s": float(prompt * per_token),
-            "kv_s": kv_s,
-        }
-        itl = float(a.d_itl[di])
+            prefill, queue, per_token = a.p[pi], a.p_q.item(pi), a.p_inv.item(pi)
+        terms = {"net_s": net_l[j], "admission_s": admit, "prefill_queue_s": queue,
+                 "prefill_compute_s": prompt * per_token, "kv_s": kv_s}  # fmt: skip
+        if prefill is not None and prefill.url == a.d[di].url:
+            prefill = None  # a `both` daemon chosen as its own prefill peer is local prefill
+        ttft = sum(terms.values())
         out.append(
-            Placement(
-                prefill=None if prefill is not None and prefill.url == a.d[di].url else prefill,
-                decode=a.d[di],
-                ttft_s=sum(terms.values()),
-                itl_s=itl,
-                meets_slo=itl <= cfg.itl_slo_s,
-                breakdown={**terms, "itl_s": itl},
-            )
+            Placement(prefill, a.d[di], ttft, itl, itl <= cfg.itl_slo_s, terms | {"itl_s": itl})
         )
     return out

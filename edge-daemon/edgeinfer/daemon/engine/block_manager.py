@@ -53,6 +53,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         # Per sequence: hashes of its leading full blocks, computed once.
         self._seq_hashes: dict[int, list[bytes]] = {}
+        self._registered: dict[int, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -149,9 +150,14 @@ class BlockManager:
         """Register every full block whose tokens are all computed, so others can reuse it."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        for i in range(num_full):
+        # Blocks below the watermark were registered (or found registered) by an earlier call.
+        start = self._registered.get(id(seq), 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(seq)
+        self._registered[id(seq)] = num_full
+        for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue
@@ -173,11 +179,12 @@ class BlockManager:
                     block.hash = None
                     self._free_clean.append(block_id)
         seq.block_table.clear()
-        self._seq_hashes.pop(id(seq), None)
+        self.forget(seq)
 
     def forget(self, seq: Sequence) -> None:
-        """Drop per-sequence hash state (the sequence ended without blocks)."""
+        """Drop per-sequence hash state (the sequence ended or lost its blocks)."""
         self._seq_hashes.pop(id(seq), None)
+        self._registered.pop(id(seq), None)
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self._free_cached):

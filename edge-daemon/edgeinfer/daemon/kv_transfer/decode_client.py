@@ -85,6 +85,11 @@ class RemotePrefillClient:
         """
         prompt = list(prompt_ids)
         try:
+            peer = self._peer(endpoint)
+        except zmq.ZMQError as e:  # an endpoint libzmq cannot parse or resolve
+            self.stats.record_failure("bad_endpoint")
+            raise PrefillFailed("bad_endpoint", f"{endpoint}: {e}") from e
+        try:
             cached = await self._engine.call(lambda e: e.reserve_remote(rid, prompt, params))
         except InvalidRequestError:
             raise
@@ -93,7 +98,6 @@ class RemotePrefillClient:
             raise PrefillFailed("no_kv_space", str(e)) from e
         self.stats.transfers_started += 1
         started = time.monotonic()
-        peer = self._peer(endpoint)
         inbox = peer.open(rid)
         imports: list[asyncio.Task[None]] = []
         try:

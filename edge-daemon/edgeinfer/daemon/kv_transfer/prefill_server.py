@@ -20,7 +20,6 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -45,20 +44,19 @@ from edgeinfer.daemon.kv_transfer.prefill_push import KVPusher, PeerGone
 from edgeinfer.daemon.kv_transfer.security import configure_server, start_authenticator
 from edgeinfer.daemon.kv_transfer.stats import TransferStats
 from edgeinfer.daemon.kv_transfer.tensor_codec import layout_mismatch, wire_layout
-from edgeinfer.daemon.kv_transfer.transport import frames_nbytes, tune_socket
-from edgeinfer.daemon.kv_transfer.wire import DEFAULT_LIMITS, WireLimits, decode, encode
+from edgeinfer.daemon.kv_transfer.transport import (
+    ServerCurve,
+    encode_off_loop,
+    frames_nbytes,
+    tune_socket,
+)
+from edgeinfer.daemon.kv_transfer.wire import DEFAULT_LIMITS, WireLimits, decode
+
+__all__ = ["PrefillServer", "ServerCurve"]
 
 log = logging.getLogger(__name__)
 
 ENGINE_ID_PREFIX = "kvx:"  # keeps remote rids apart from the daemon's own local requests
-
-
-@dataclass(frozen=True)
-class ServerCurve:
-    """CURVE settings of a prefill daemon: its key pair and the allowed decode clients' keys."""
-
-    secret_file: Path
-    allowed_clients_dir: Path
 
 
 @dataclass
@@ -136,10 +134,13 @@ class PrefillServer:
             self._receiver.cancel()
             await asyncio.gather(self._receiver, *self._replies, return_exceptions=True)
         if self._sock is not None:
-            self._sock.close(linger=0)
+            # Drained transfers' last messages may still sit in libzmq's queue: let them out.
+            self._sock.close(linger=1000 if drain else 0)
+            self._sock = None
         if self._auth is not None:
             self._auth.stop()
-        if self._own_ctx:
+            self._auth = None
+        if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
 
     # ---- receiving ------------------------------------------------------------------
@@ -180,19 +181,18 @@ class PrefillServer:
         if req.seq != 0 or rid in self._transfers or not self._dedup.accept(rid, req.seq):
             self.stats.record_drop("duplicate")
             return
-        refusal = self._refusal(req)
-        if refusal is not None:
+        params = self._admit(req)
+        if isinstance(params, tuple):
             self._dedup.finish(rid)
-            self.stats.record_failure(refusal[0])
-            self._reply(identity, ErrorReply(rid, 0, *refusal))
+            self.stats.record_failure(params[0])
+            self._reply(identity, ErrorReply(rid, 0, *params))
             return
-        params = SamplingParams(**req.sampling)  # checked by _refusal
         task = asyncio.create_task(self._serve(identity, req, params))
         self._transfers[rid] = _Transfer(identity, task)
         task.add_done_callback(lambda _: self._finished(rid))
 
-    def _refusal(self, req: PrefillRequest) -> tuple[str, str] | None:
-        """(code, message) of the error reply for a request we will not serve, else None."""
+    def _admit(self, req: PrefillRequest) -> SamplingParams | tuple[str, str]:
+        """The request's parameters, or (code, message) of the error reply refusing it."""
         if self._draining:
             return "draining", "prefill server is shutting down"
         if len(self._transfers) >= self._max_in_flight:
@@ -201,10 +201,9 @@ class PrefillServer:
         if mismatch is not None:
             return "layout_mismatch", mismatch
         try:
-            SamplingParams(**req.sampling)
+            return SamplingParams(**req.sampling)
         except (TypeError, InvalidRequestError) as e:
             return "bad_params", str(e)
-        return None
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         transfer = self._transfers.get(msg.rid)
@@ -254,8 +253,11 @@ class PrefillServer:
             self._reply(identity, ErrorReply(req.rid, pusher.seq, "timeout", "prefill timed out"))
         except PeerGone:
             self.stats.record_failure("peer_gone")
-        except (EngineError, InvalidRequestError) as e:
+        except Exception as e:  # engine refusal, or a bug: answer so the peer can fall back
             code = "invalid_request" if isinstance(e, InvalidRequestError) else "engine_error"
+            if not isinstance(e, EngineError):
+                code = "internal"
+                log.exception("KV transfer: prefill of %r failed", req.rid)
             self.stats.record_failure(code)
             self._reply(identity, ErrorReply(req.rid, pusher.seq, code, str(e)))
         finally:
@@ -275,7 +277,7 @@ class PrefillServer:
     async def _send(self, identity: bytes, msg: Message) -> None:
         if self._sock is None:
             raise PeerGone("server is not started")
-        frames = encode(msg)
+        frames = await encode_off_loop(msg)
         try:
             async with asyncio.timeout(self._send_timeout_s):  # not wait_for: see decode_client
                 await self._sock.send_multipart([identity, *frames], copy=False)

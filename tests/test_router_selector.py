@@ -1,0 +1,190 @@
+"""Placement: nearest PoP at equal load, spill and return, exclusions, SLO, roles, near ties.
+
+PoPs sit on cities of MaxMind's test database, so clients are located by real lookups.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgeinfer.router.geo import ClientLocator, GeoPoint
+from edgeinfer.router.network import NetworkModel
+from edgeinfer.router.pop_registry import DaemonView, PopConfig, PopRegistry
+from edgeinfer.router.selector import Placement, PlacementConfig, RequestFeatures, select
+from edgeinfer.shared.heartbeat import Heartbeat
+
+DB = Path(__file__).parent / "data" / "geoip" / "GeoIP2-City-Test.mmdb"
+COORDS = {"lon": (51.5142, -0.0931), "sea": (47.2513, -122.3149), "cgq": (43.88, 125.3228)}
+IPS = {"lon": "81.2.69.160", "sea": "216.160.83.56", "cgq": "175.16.199.0"}
+LONDON = GeoPoint(*COORDS["lon"])
+NET, CFG = NetworkModel(), PlacementConfig()
+
+
+def hb(url: str, **overrides: Any) -> Heartbeat:
+    pop = url.split("//")[1].split("-")[0]
+    role = overrides.pop("role", "both")
+    fields: dict[str, Any] = {
+        "daemon_id": url,
+        "pop": pop,
+        "role": role,
+        "model": "m",
+        "kv_endpoint": None if role == "decode" else f"tcp://{pop}:5600",
+        "running": 4,
+        "waiting": 0,
+        "kv_blocks_free": 4000,
+        "kv_blocks_total": 4000,
+        "block_size": 16,
+        "prefill_tokens_per_s": 10_000.0,
+        "decode_tokens_per_s": 500.0,
+        "ttft_p50_s": None,
+        "itl_p50_s": None,
+        "queued_prefill_tokens": 0,
+        "draining": False,
+        "drained": False,
+        "in_flight": 4,
+        "seq": 1,
+        "started_at": 1.0,
+        "sent_at": 2.0,
+    }
+    return Heartbeat(**(fields | overrides))
+
+
+class World:
+    """A registry with one `both` daemon per PoP unless told otherwise; time advances per beat."""
+
+    def __init__(self, daemons: dict[str, tuple[str, ...]] | None = None) -> None:
+        daemons = daemons or {pop: (f"http://{pop}-1:8000",) for pop in COORDS}
+        self.reg = PopRegistry(
+            [PopConfig(p, *COORDS[p], daemons.get(p, ())) for p in COORDS], "lon", 5.0
+        )
+        self.now, self.seq = 100.0, 1
+
+    def beat(self, url: str, **overrides: Any) -> None:
+        self.seq += 1
+        assert self.reg.update(hb(url, seq=self.seq, **overrides), self.now) == "accepted"
+
+    def place(self, client: GeoPoint = LONDON, prompt: int = 800, **kw: Any) -> list[Placement]:
+        views = self.reg.snapshot(self.now)
+        features = RequestFeatures(prompt, kw.pop("max_tokens", 128), kw.pop("model", "m"))
+        rng = kw.pop("rng", random.Random(0))
+        return select(views, client, features, NET, kw.pop("cfg", CFG), rng, "lon", **kw)
+
+
+@pytest.fixture
+def world() -> World:
+    w = World()
+    for pop in COORDS:
+        w.beat(f"http://{pop}-1:8000")
+    return w
+
+
+def where(p: Placement) -> tuple[str, str]:
+    return (p.prefill or p.decode).pop, p.decode.pop
+
+
+def test_equal_load_places_each_continent_on_its_nearest_pop(world: World) -> None:
+    locator = ClientLocator(DB, [], LONDON)
+    for pop, ip in IPS.items():
+        best = world.place(locator.locate(ip))[0]
+        assert where(best) == (pop, pop) and best.prefill is None  # a `both` prefills itself
+
+
+def test_long_queue_spills_to_the_next_pop_and_comes_back(world: World) -> None:
+    world.beat("http://lon-1:8000", queued_prefill_tokens=2_000_000)  # 200 s of work
+    spilled = world.place()[0]
+    assert "lon" not in {(spilled.prefill or spilled.decode).pop}
+    assert spilled.ttft_s < 1.0
+    world.beat("http://lon-1:8000", queued_prefill_tokens=0)
+    assert where(world.place()[0]) == ("lon", "lon")
+
+
+def test_a_saturated_decode_daemon_loses_its_requests(world: World) -> None:
+    world.beat("http://lon-1:8000", waiting=40, kv_blocks_free=1)
+    best = world.place()[0]
+    assert best.decode.pop != "lon" and best.breakdown["admission_s"] == 0.0
+    world.beat("http://lon-1:8000", kv_blocks_free=0)
+    assert all(p.decode.pop != "lon" for p in world.place(limit=3))
+
+
+@pytest.mark.parametrize("how", ["draining", "stale", "admin"])
+def test_unavailable_daemons_get_nothing_new(world: World, how: str) -> None:
+    if how == "draining":
+        world.beat("http://lon-1:8000", draining=True)
+    elif how == "admin":
+        world.reg.drain_pop("lon")
+    else:
+        world.now += 3 * 5.0 + 1  # every daemon silent; the others speak again
+        world.beat("http://sea-1:8000")
+        world.beat("http://cgq-1:8000")
+    placements = world.place(limit=5)
+    assert placements and all("lon" not in where(p) for p in placements)
+
+
+def test_itl_slo_beats_distance_and_least_bad_when_nothing_meets_it(world: World) -> None:
+    world.beat("http://lon-1:8000", running=100)  # 101 / 500 tok/s = 0.2 s per token
+    best = world.place()[0]
+    assert best.decode.pop != "lon" and best.meets_slo
+    for pop in ("sea", "cgq"):
+        world.beat(f"http://{pop}-1:8000", running=200)
+    best = world.place()[0]
+    assert best.decode.pop == "lon" and not best.meets_slo and best.itl_s == pytest.approx(0.202)
+
+
+def test_roles_local_prefill_for_short_prompts_remote_for_long() -> None:
+    w = World({"lon": ("http://lon-d:8000", "http://lon-p:8000"), "sea": ("http://sea-p:8000",)})
+    w.beat("http://lon-d:8000", role="decode")
+    w.beat("http://lon-p:8000", role="prefill")
+    w.beat("http://sea-p:8000", role="prefill")
+    short = w.place(prompt=100)[0]
+    assert short.prefill is None and short.decode.url == "http://lon-d:8000"
+    long = w.place(prompt=4000)[0]
+    assert long.prefill is not None and long.prefill.url == "http://lon-p:8000"
+    assert long.breakdown["kv_s"] == 0.0  # same PoP: no transfer
+    w.beat("http://lon-p:8000", role="prefill", draining=True)
+    far = w.place(prompt=4000)[0]
+    assert far.prefill is not None and far.prefill.pop == "sea" and far.breakdown["kv_s"] > 0.07
+
+
+def test_near_ties_use_two_random_choices() -> None:
+    w = World({"lon": ("http://lon-a:8000", "http://lon-b:8000")})
+    w.beat("http://lon-a:8000", running=2)
+    w.beat("http://lon-b:8000", running=6)
+    rng = random.Random(1)
+    assert {w.place(rng=rng)[0].decode.url for _ in range(20)} == {"http://lon-a:8000"}
+    w.beat("http://lon-b:8000", running=2)
+    picks = Counter(w.place(rng=rng)[0].decode.url for _ in range(200))
+    assert min(picks.values()) > 50  # equal load: both get a fair share, no herd
+
+
+def test_placements_are_explained_and_distinct(world: World) -> None:
+    placements = world.place(limit=3)
+    assert len({p.decode.url for p in placements}) == 3
+    assert [p.ttft_s for p in placements] == sorted(p.ttft_s for p in placements)
+    for p in placements:
+        terms = {k: v for k, v in p.breakdown.items() if k != "itl_s"}
+        assert sum(terms.values()) == pytest.approx(p.ttft_s)
+        assert p.decode.url in p.describe() and "ttft" in p.describe()
+    assert len(world.place(limit=1)) == 1
+
+
+def test_models_are_matched() -> None:
+    w = World()
+    w.beat("http://lon-1:8000", model="small")
+    w.beat("http://sea-1:8000")
+    w.beat("http://cgq-1:8000")
+    assert w.place(model="nope") == []
+    assert w.place(model="small")[0].decode.pop == "lon"
+    assert w.place(model=None)[0].decode.model == "m"  # the most widely served
+
+
+def test_nothing_available_means_no_placement() -> None:
+    views: list[DaemonView] = []
+    assert (
+        select(views, LONDON, RequestFeatures(10, 10, None), NET, CFG, random.Random(), "x") == []
+    )
+    assert World().place() == []
