@@ -25,12 +25,12 @@ import platform
 import socket
 import statistics
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
+from isal.isal_zlib import crc32
 
 from edgeinfer.daemon.kv_transfer.messages import FirstToken, KVChunk, Ping, WireLayout
 from edgeinfer.daemon.kv_transfer.tensor_codec import page_bytes, payload_tensor, tensor_payload
@@ -173,11 +173,11 @@ def run(transport: str, num_blocks: int, chunk_bytes: int, reps: int) -> list[fl
 
 
 def crc32_gbps() -> float:
-    """Single-thread zlib CRC-32 speed: the framing's CPU cost, paid once on each side."""
+    """Single-thread CRC-32 speed (ISA-L, as the wire uses): the framing's CPU cost per side."""
     buf = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy()
     start = time.perf_counter()
     for _ in range(4):
-        zlib.crc32(buf.data)
+        crc32(buf.data)
     return 4 * buf.nbytes / (time.perf_counter() - start) / 1e9
 
 
@@ -202,7 +202,7 @@ def main() -> None:
         print(f"{t:4s} median {summary[t]:6.2f} GB/s   best {max(rates[t]):6.2f} GB/s")
     print(f"zmq / tcp = {ratio:.2f}x (target >= 0.8x)")
     crc = crc32_gbps()
-    print(f"zlib crc32 {crc:.2f} GB/s per thread (paid by sender and receiver)")
+    print(f"crc32 (isal) {crc:.2f} GB/s per thread (paid by sender and receiver)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "meta": {
@@ -220,7 +220,7 @@ def main() -> None:
         "gbps": rates,
         "median_gbps": summary,
         "zmq_over_tcp": ratio,
-        "zlib_crc32_gbps": crc,
+        "crc32_gbps": crc,
     }
     RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
 

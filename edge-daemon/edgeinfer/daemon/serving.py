@@ -45,8 +45,7 @@ class RequestRunner:
         """
         timer = self.metrics.timer()
         stream = self.engine.generate(request_id, prompt_ids, params)
-        # generate() is an async generator, though annotated as a plain AsyncIterator.
-        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        async with contextlib.aclosing(stream):
             async for out in stream:
                 timer.observe(out)
                 yield out

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -85,7 +85,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         prefill_only: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs; closing the iterator early aborts it."""
         q = self.open_stream(request_id)
         finished = False

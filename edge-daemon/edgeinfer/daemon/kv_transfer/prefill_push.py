@@ -11,8 +11,7 @@ token with the final :attr:`KVPusher.seq`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import cast
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -58,11 +57,7 @@ class KVPusher:
     async def run(self, params: SamplingParams) -> RequestOutput:
         """Prefill, pushing blocks as they complete; return the final (first-token) output."""
         final: RequestOutput | None = None
-        # generate() is an async generator (annotated as a mere AsyncIterator): closable.
-        gen = cast(
-            AsyncGenerator[RequestOutput, None],
-            self._engine.generate(self._engine_rid, self._req.prompt, params, prefill_only=True),
-        )
+        gen = self._engine.generate(self._engine_rid, self._req.prompt, params, prefill_only=True)
         # aclosing: if we are cancelled mid-send, the engine request is aborted right away.
         async with contextlib.aclosing(gen) as outputs:
             async for out in outputs:

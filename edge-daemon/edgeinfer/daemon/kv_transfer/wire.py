@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 import zmq
+from isal.isal_zlib import crc32  # zlib's CRC-32, ~6x faster (ISA-L)
 
 from edgeinfer.daemon.kv_transfer.errors import (
     BadVersionError,
@@ -104,12 +104,12 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         del header["payloads"], header["shapes"]
         header["shape"] = msg.shapes
         header["nbytes"] = [p.nbytes for p in payloads]
-        header["crc"] = [zlib.crc32(p) for p in payloads]
+        header["crc"] = [crc32(p) for p in payloads]
     elif isinstance(msg, PrefillRequest):
         header["layout"] = dataclasses.asdict(msg.layout)
         header["sampling"] = dict(msg.sampling)
     packed = msgpack.packb(header, use_bin_type=True)
-    return [_CRC.pack(zlib.crc32(packed)) + packed, *payloads]
+    return [_CRC.pack(crc32(packed)) + packed, *payloads]
 
 
 def decode(
@@ -129,7 +129,7 @@ def decode(
         raise TooLargeError(f"header of {head.nbytes} bytes > {limits.max_header_bytes}")
     if head.nbytes <= _CRC.size:
         raise MalformedError("header frame too short")
-    if _CRC.unpack(head[: _CRC.size])[0] != zlib.crc32(head[_CRC.size :]):
+    if _CRC.unpack(head[: _CRC.size])[0] != crc32(head[_CRC.size :]):
         raise ChecksumError("header")
     try:
         header = msgpack.unpackb(head[_CRC.size :], raw=False, strict_map_key=True)
@@ -175,7 +175,7 @@ def _decode_body(reader: HeaderReader, rid: str, payloads: list[memoryview]) -> 
         for i, (view, size, crc) in enumerate(zip(payloads, nbytes, crcs, strict=True)):
             if view.nbytes != size:
                 raise SizeMismatchError(f"payload {i} has {view.nbytes} bytes, header says {size}")
-            if zlib.crc32(view) != crc:
+            if crc32(view) != crc:
                 raise ChecksumError(f"payload {i}")
         msg = KVChunk(
             rid,
