@@ -40,6 +40,10 @@ def daemon_config(checkpoint: Path, **overrides: Any) -> DaemonConfig:
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=8,
         device="cpu",
+        host="127.0.0.1",
+        # The ZeroMQ sockets bind too: give each app its own ports.
+        kv_port=free_port(),
+        heartbeat_port=free_port(),
     )
     return dataclasses.replace(base, **overrides)
 

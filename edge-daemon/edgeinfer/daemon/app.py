@@ -24,7 +24,9 @@ from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.metrics import DaemonMetrics
+from edgeinfer.daemon.load_report import LoadTracker
 from edgeinfer.daemon.serving import RequestRunner
+from edgeinfer.daemon.transfer_plane import TransferPlane, TransferPlaneError
 from edgeinfer.daemon.state import CONFIG_KEY, METRICS_KEY, STATE_KEY, ServingState
 from edgeinfer.shared.errors import EdgeInferError
 
@@ -61,6 +63,9 @@ async def _engine_ctx(app: web.Application, *, prebuilt: LLMEngine | None) -> As
     loader.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await loader
+    if state.plane is not None:
+        # In-flight KV transfers finish first (drain-safe), then the engine stops.
+        await state.plane.stop(drain=True)
     if state.engine is not None:
         await state.engine.stop()
 
@@ -80,6 +85,17 @@ async def _load(app: web.Application, prebuilt: LLMEngine | None) -> None:
         return
     engine = AsyncEngine(llm)
     engine.start()
+    metrics = app[METRICS_KEY]
+    load = LoadTracker(config, engine, metrics, state.load_status)
+    plane = TransferPlane(config, engine, load)
+    try:
+        await plane.start()
+    except TransferPlaneError as exc:
+        log.error("%s", exc)
+        await engine.stop()
+        state.failed(exc)
+        return
+    state.plane = plane
     bm = llm.block_manager
     model = ModelInfo(
         name=config.model_name,
@@ -88,7 +104,7 @@ async def _load(app: web.Application, prebuilt: LLMEngine | None) -> None:
         max_model_len=llm.max_model_len,
         kv_capacity_tokens=bm.num_blocks * bm.block_size,
     )
-    state.loaded(engine, RequestRunner(engine, config, app[METRICS_KEY]), model)
+    state.loaded(engine, RequestRunner(engine, config, metrics, plane), model)
     log.info(
         "model %s ready: %d KV blocks of %d tokens, context %d",
         config.model_name,

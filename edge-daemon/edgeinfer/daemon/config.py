@@ -6,6 +6,7 @@ lives in exactly one place; :meth:`DaemonConfig.to_engine_config` hands them bac
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,10 @@ class DaemonConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     kv_port: int = 5600
+    heartbeat_port: int = 5601  # ZeroMQ PUB socket routers subscribe to
+    # The address peers and routers use to reach this daemon's ZeroMQ sockets; None: the
+    # bind host, or this machine's name when binding to every interface.
+    advertise_host: str | None = None
     pop: str = "local"  # the point of presence this daemon runs in, reported to the router
     log_level: LogLevel = "info"
     # ---- disaggregation ----
@@ -64,12 +69,13 @@ class DaemonConfig:
     num_threads: int | None = EngineConfig.num_threads
 
     def __post_init__(self) -> None:
-        for name in ("port", "kv_port"):
+        for name in ("port", "kv_port", "heartbeat_port"):
             value = getattr(self, name)
             if not 1 <= value <= 65535:
                 raise ConfigError(f"config key '{name}' must be in [1, 65535], got {value}")
-        if self.port == self.kv_port:
-            raise ConfigError(f"port and kv_port must differ, both are {self.port}")
+        ports = {"port": self.port, "kv_port": self.kv_port, "heartbeat_port": self.heartbeat_port}
+        if len(set(ports.values())) != len(ports):
+            raise ConfigError(f"port, kv_port and heartbeat_port must differ, got {ports}")
         for name in ("kv_timeout_s", "heartbeat_interval_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key '{name}' must be > 0, got {getattr(self, name)}")
@@ -96,6 +102,27 @@ class DaemonConfig:
     def model_name(self) -> str:
         """The name the OpenAI API reports and accepts (vLLM's rule: the model spec itself)."""
         return self.served_model_name or self.model or DEFAULT_MODEL
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            return socket.getfqdn()
+        return self.host
+
+    def zmq_bind(self, port: int) -> str:
+        host = "*" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"tcp://{host}:{port}"
+
+    @property
+    def kv_endpoint(self) -> str:
+        """Where decode daemons send prefill requests (advertised in state and heartbeats)."""
+        return f"tcp://{self.public_host}:{self.kv_port}"
+
+    @property
+    def heartbeat_endpoint(self) -> str:
+        return f"tcp://{self.public_host}:{self.heartbeat_port}"
 
     @property
     def serves_api(self) -> bool:

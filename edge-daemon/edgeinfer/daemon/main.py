@@ -60,6 +60,8 @@ async def serve(config: DaemonConfig) -> None:
             raise DaemonError(f"cannot load model {config.model_name!r}: {state.load_error}")
         await stop.wait()
         state.drain()
+        if state.plane is not None:
+            await state.plane.set_draining(True)
         log.info("stopping: waiting for %d in-flight requests", state.in_flight)
         if not await state.wait_idle(config.drain_timeout_s):
             log.warning("drain timeout: aborting %d requests", state.in_flight)

@@ -16,7 +16,10 @@ blocks, so blocks are what it can report without guessing.
 from __future__ import annotations
 
 import time
+from collections import Counter as CounterDict
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from edgeinfer.daemon.engine.outputs import EngineStats, RequestOutput
+from edgeinfer.daemon.kv_transfer.stats import TransferStats
 
 PREFIX = "edgeinfer_"
 
@@ -44,6 +48,7 @@ _E2E_BUCKETS = (
     *(60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
 _LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+RECENT_WINDOW = 512
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -96,6 +101,10 @@ class _EngineCollector(Collector):
 
 class DaemonMetrics:
     def __init__(self) -> None:
+        self._synced: dict[int, _Seen] = {}
+        # Recent TTFT and inter-token latencies (seconds) for the heartbeat's p50 fields.
+        self.recent_ttft: deque[float] = deque(maxlen=RECENT_WINDOW)
+        self.recent_itl: deque[float] = deque(maxlen=RECENT_WINDOW)
         self.registry = CollectorRegistry()
         reg = self.registry
         self._engine = _EngineCollector()
@@ -204,6 +213,34 @@ class DaemonMetrics:
     def kv_dropped_frame(self, reason: str) -> None:
         self._kv_dropped.labels(reason=reason).inc()
 
+    def sync_transfer_stats(self, stats: TransferStats, direction: KVDirection) -> None:
+        """Move what the transfer code counted since the last scrape into the Prometheus
+        metrics (the transfer code stays free of prometheus_client)."""
+        seen = self._synced.setdefault(id(stats), _Seen())
+        kv = stats.kv_bytes_sent if direction == "sent" else stats.kv_bytes_received
+        self.kv_bytes(direction, kv - seen.kv_bytes)
+        seen.kv_bytes = kv
+        new = min(stats.latency_count - seen.latencies, len(stats.latency_samples))
+        for latency in list(stats.latency_samples)[len(stats.latency_samples) - new :]:
+            self.kv_transfer_time(latency)
+        seen.latencies = stats.latency_count
+        for reason, count in stats.failures.items():
+            self._kv_failures.labels(reason=reason).inc(count - seen.failures[reason])
+            seen.failures[reason] = count
+        for reason, count in stats.dropped.items():
+            self._kv_dropped.labels(reason=reason).inc(count - seen.dropped[reason])
+            seen.dropped[reason] = count
+
+
+@dataclass
+class _Seen:
+    """What :meth:`DaemonMetrics.sync_transfer_stats` already exported of one stats object."""
+
+    kv_bytes: int = 0
+    latencies: int = 0
+    failures: CounterDict[str] = field(default_factory=CounterDict)
+    dropped: CounterDict[str] = field(default_factory=CounterDict)
+
 
 class RequestTimer:
     """Latency bookkeeping of one engine request, fed with each of its outputs."""
@@ -220,8 +257,10 @@ class RequestTimer:
             if self._first is None:
                 self._first = now
                 self._m.ttft.observe(now - self._arrival)
+                self._m.recent_ttft.append(now - self._arrival)
             else:
                 self._m.itl.observe(now - self._last)
+                self._m.recent_itl.append(now - self._last)
             self._last = now
         if out.finished and out.finish_reason in ("stop", "length"):
             self._finished(out, now)

@@ -1,29 +1,40 @@
 """Where the HTTP layer gets a request's outputs: the seam between the API and the engine(s).
 
-:class:`RequestRunner` is the only object the handlers ask for tokens. Today it prefills every
-prompt locally; disaggregated serving (KV computed by a prefill daemon and shipped over
-ZeroMQ) plugs in inside :meth:`RequestRunner.run` without the handlers changing, because they
-only ever see an async iterator of :class:`RequestOutput`.
+:class:`RequestRunner` is the only object the handlers ask for tokens. It decides where a
+prompt is prefilled: locally, or (on a decode daemon) by a prefill peer that ships the KV
+pages over ZeroMQ. Either way the handlers see one async iterator of :class:`RequestOutput`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, Sequence
 
 from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.outputs import RequestOutput
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
+from edgeinfer.daemon.kv_transfer.transport import PrefillFailed
 from edgeinfer.daemon.metrics import DaemonMetrics
+from edgeinfer.daemon.transfer_plane import TransferPlane
+
+log = logging.getLogger(__name__)
 
 
 class RequestRunner:
-    def __init__(self, engine: AsyncEngine, config: DaemonConfig, metrics: DaemonMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        config: DaemonConfig,
+        metrics: DaemonMetrics,
+        plane: TransferPlane | None = None,
+    ) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        self.plane = plane
 
     async def run(
         self,
@@ -35,20 +46,72 @@ class RequestRunner:
         """Yield the outputs of one request until it finishes.
 
         ``prefill_peer`` is the ZeroMQ endpoint of a prefill daemon the request asked for (the
-        ``x-edge-prefill`` header or ``kv_transfer_params.prefill_endpoint``), or None. The
-        runner decides whether to use it (prompt length vs ``local_prefill_threshold``,
-        ``prefill_peers``); remote prefill is not wired in yet, so every prompt is prefilled by
-        the local engine.
+        ``x-edge-prefill`` header or ``kv_transfer_params.prefill_endpoint``), or None. A
+        decode daemon prefills remotely unless the uncached part of the prompt is shorter than
+        ``local_prefill_threshold``; when every peer fails it prefills locally.
 
         Closing the iterator before the last output aborts the request and frees its KV blocks
         at once; callers must close it (``contextlib.aclosing``) when they stop early.
         """
         timer = self.metrics.timer()
-        stream = self.engine.generate(request_id, prompt_ids, params)
+        peers = await self._remote_peers(prompt_ids, prefill_peer)
+        stream = (
+            self._run_remote(request_id, prompt_ids, params, peers)
+            if peers
+            else self.engine.generate(request_id, prompt_ids, params)
+        )
         async with contextlib.aclosing(stream):
             async for out in stream:
                 timer.observe(out)
                 yield out
+
+    async def _remote_peers(self, prompt_ids: Sequence[int], requested: str | None) -> list[str]:
+        plane = self.plane
+        if plane is None or plane.client is None:
+            return []
+        peers = plane.prefill_candidates(requested)
+        if not peers:
+            return []
+        ids = list(prompt_ids)
+        cached = await self.engine.call(lambda e: e.cached_prefix_tokens(ids))
+        if len(ids) - cached < self.config.local_prefill_threshold:
+            return []  # shipping this little KV costs more than computing it here
+        return peers
+
+    async def _run_remote(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        peers: list[str],
+    ) -> AsyncGenerator[RequestOutput, None]:
+        plane = self.plane
+        if plane is None or plane.client is None:
+            raise RuntimeError("remote prefill without a transfer client")
+        queue = self.engine.open_stream(request_id)
+        finished = False
+        try:
+            first = None
+            for peer in peers:
+                try:
+                    first = await plane.client.prefill(request_id, prompt_ids, params, peer)
+                    break
+                except PrefillFailed as exc:
+                    log.warning("prefill at %s failed (%s): %s", peer, exc.reason, exc)
+            if first is None:
+                log.info("prefilling %s locally: no prefill peer succeeded", request_id)
+                await self.engine.call(lambda e: e.add_request(request_id, prompt_ids, params))
+            else:
+                finished = first.finished
+                yield first
+            if not finished:
+                async for out in self.engine.iterate(queue):
+                    finished = out.finished
+                    yield out
+        finally:
+            self.engine.close_stream(request_id)
+            if not finished and self.engine.is_alive:
+                await self.engine.call(lambda e: e.abort_request(request_id))
 
 
 async def merge_streams(

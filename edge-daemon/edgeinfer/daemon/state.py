@@ -20,6 +20,7 @@ from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.metrics import DaemonMetrics
 from edgeinfer.daemon.serving import RequestRunner
+from edgeinfer.daemon.transfer_plane import TransferPlane
 
 
 class Phase(enum.StrEnum):
@@ -38,6 +39,7 @@ class ServingState:
         self.model: ModelInfo | None = None
         self.load_error: BaseException | None = None
         self.in_flight = 0
+        self.plane: TransferPlane | None = None
         self.settled = asyncio.Event()  # set once loading succeeded or failed
         self._idle = asyncio.Event()
         self._idle.set()
@@ -62,12 +64,21 @@ class ServingState:
         return self._phase
 
     @property
+    def transfers_in_flight(self) -> int:
+        return self.plane.in_flight if self.plane is not None else 0
+
+    @property
     def status(self) -> str:
-        """``phase``, except that a drain with nothing left in flight reads ``drained``."""
+        """``phase``, except that a drain with nothing left in flight (requests and KV
+        transfers served to peers) reads ``drained``."""
         phase = self.phase
-        if phase is Phase.DRAINING and self.in_flight == 0:
+        if phase is Phase.DRAINING and self.in_flight == 0 and self.transfers_in_flight == 0:
             return "drained"
         return phase.value
+
+    def load_status(self) -> tuple[bool, bool, int]:
+        """(draining, drained, in flight) for the heartbeat."""
+        return self.draining, self.status == "drained", self.in_flight + self.transfers_in_flight
 
     # ---- draining ------------------------------------------------------------------------
     @property

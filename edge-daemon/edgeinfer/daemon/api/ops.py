@@ -49,6 +49,9 @@ async def _engine_stats(request: web.Request) -> EngineStats | None:
 
 async def metrics(request: web.Request) -> web.StreamResponse:
     registry = request.app[METRICS_KEY]
+    plane = request.app[STATE_KEY].plane
+    if plane is not None:
+        plane.export_metrics(registry)
     stats = await _engine_stats(request)
     if stats is not None:
         registry.set_engine_stats(stats)
@@ -67,6 +70,10 @@ async def _state_body(request: web.Request) -> dict[str, Any]:
         "draining": serving.draining,
         "drained": serving.status == "drained",
         "in_flight": serving.in_flight,
+        "transfers_in_flight": serving.transfers_in_flight,
+        "kv_endpoint": config.kv_endpoint if config.role != "decode" else None,
+        "heartbeat_endpoint": config.heartbeat_endpoint,
+        "block_size": config.block_size,
         "max_model_len": serving.model.max_model_len if serving.model else None,
         "running": None,
         "waiting": None,
@@ -110,6 +117,8 @@ async def drain(request: web.Request) -> web.StreamResponse:
     if not serving.draining:
         log.info("draining: refusing new requests, %d in flight", serving.in_flight)
     serving.drain()
+    if serving.plane is not None:
+        await serving.plane.set_draining(True)
     return json_response(await _state_body(request))
 
 
@@ -119,4 +128,6 @@ async def undrain(request: web.Request) -> web.StreamResponse:
     if serving.draining:
         log.info("drain lifted: accepting requests again")
     serving.undrain()
+    if serving.plane is not None:
+        await serving.plane.set_draining(False)
     return json_response(await _state_body(request))

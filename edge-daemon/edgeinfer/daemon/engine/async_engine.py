@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
@@ -40,6 +41,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.fatal_error: BaseException | None = None
+        # Called in the engine thread after every step with (seconds, prompt tokens computed,
+        # tokens generated): how the daemon measures its prefill and decode rates.
+        self.on_step: Callable[[float, int, int], None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -119,9 +123,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._run_commands()
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    if outputs:
-                        self._deliver(outputs)
+                    self._step()
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
@@ -131,6 +133,23 @@ class AsyncEngine:
             self._fail_all(exc)
         finally:
             self._drain_commands(EngineError("the engine stopped"))
+
+    def _step(self) -> None:
+        e = self.engine
+        prompt, generated, start = (
+            e.prompt_tokens_computed,
+            e.generation_tokens,
+            time.perf_counter(),
+        )
+        outputs = e.step()
+        if self.on_step is not None:
+            self.on_step(
+                time.perf_counter() - start,
+                e.prompt_tokens_computed - prompt,
+                e.generation_tokens - generated,
+            )
+        if outputs:
+            self._deliver(outputs)
 
     def _run_commands(self) -> None:
         while True:

@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,6 +21,12 @@ from safetensors import safe_open
 from torch import nn
 
 from edgeinfer.daemon.engine.errors import ModelLoadError
+from edgeinfer.kernels.compression.errors import CompressionError
+from edgeinfer.kernels.compression.format import CompressedTensor
+from edgeinfer.kernels.compression.reader import (
+    CompressedSafetensorsReader,
+    is_compressed_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +47,17 @@ _SAFETENSORS_DTYPES = {
 
 
 class CheckpointReader:
-    """Read-only view of the tensors of a Hugging Face safetensors checkpoint directory."""
+    """Read-only view of the tensors of a Hugging Face safetensors checkpoint directory.
+
+    Shards written by ``edgectl compress`` are detected per file and read through
+    :class:`CompressedSafetensorsReader`: tensors come back bit-exact, and a damaged shard raises
+    :class:`ModelLoadError` (naming file and tensor) instead of yielding garbage weights.
+    """
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
         self._stack = ExitStack()
+        # A safetensors handle for a plain shard, a CompressedSafetensorsReader for a compressed one.
         self._handles: dict[str, Any] = {}
         index_path = self.model_dir / INDEX_FILE
         single_path = self.model_dir / SINGLE_FILE
@@ -56,7 +68,9 @@ class CheckpointReader:
                 raise ModelLoadError(f"cannot read {index_path}: {exc}") from exc
             self._file_of: dict[str, str] = dict(weight_map)
         elif single_path.is_file():
-            self._file_of = dict.fromkeys(self._open(SINGLE_FILE).keys(), SINGLE_FILE)
+            handle = self._open(SINGLE_FILE)
+            keys = handle.names() if _is_compressed(handle) else handle.keys()
+            self._file_of = dict.fromkeys(keys, SINGLE_FILE)
         else:
             raise ModelLoadError(
                 f"no {SINGLE_FILE} or {INDEX_FILE} in {self.model_dir}: not a safetensors checkpoint"
@@ -68,12 +82,14 @@ class CheckpointReader:
     def _open(self, filename: str) -> Any:
         handle = self._handles.get(filename)
         if handle is None:
+            path = self.model_dir / filename
             try:
-                handle = self._stack.enter_context(
-                    safe_open(str(self.model_dir / filename), framework="pt")
-                )
-            except Exception as exc:  # safetensors raises its own error types
-                raise ModelLoadError(f"cannot open {self.model_dir / filename}: {exc}") from exc
+                if is_compressed_checkpoint(path):
+                    handle = self._stack.enter_context(CompressedSafetensorsReader(path))
+                else:
+                    handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except Exception as exc:  # safetensors and the codec raise their own error types
+                raise ModelLoadError(f"cannot open {path}: {exc}") from exc
             self._handles[filename] = handle
         return handle
 
@@ -91,23 +107,49 @@ class CheckpointReader:
         return name in self._file_of
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle_for(name).get_tensor(name)
+        handle = self._handle_for(name)
+        if not _is_compressed(handle):
+            return handle.get_tensor(name)
+        with _as_load_error():
+            return handle.get(name)
+
+    def get_compressed(self, name: str) -> CompressedTensor | None:
+        """The checksummed compressed form of ``name``, or None when it is stored as is."""
+        handle = self._handle_for(name)
+        if not _is_compressed(handle):
+            return None
+        with _as_load_error():
+            return handle.get_compressed(name)
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Read ``tensor[..., start:stop, ...]`` along ``dim`` without loading the rest."""
-        view = self._handle_for(name).get_slice(name)
-        rank = len(view.get_shape())
+        """Read ``tensor[..., start:stop, ...]`` along ``dim`` without loading the rest.
+
+        A compressed tensor's chunks do not map to slices, so it is decoded whole, then sliced.
+        """
+        rank = len(self.shape(name))
         if not -rank <= dim < rank:
             raise ValueError(f"dim {dim} out of range for {rank}-d tensor {name}")
         index = [slice(None)] * rank
         index[dim % rank] = slice(start, stop)
-        return view[tuple(index)]
+        handle = self._handle_for(name)
+        if _is_compressed(handle):
+            return self.get(name)[tuple(index)].clone()  # clone: free the rest of the tensor
+        return handle.get_slice(name)[tuple(index)]
+
+    def _header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype code, shape) of ``name`` from the file headers, nothing decoded."""
+        handle = self._handle_for(name)
+        if _is_compressed(handle):
+            with _as_load_error():
+                return handle.header_info(name)
+        view = handle.get_slice(name)
+        return view.get_dtype(), tuple(view.get_shape())
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle_for(name).get_slice(name).get_shape())
+        return self._header(name)[1]
 
     def dtype(self, name: str) -> torch.dtype:
-        code = self._handle_for(name).get_slice(name).get_dtype()
+        code = self._header(name)[0]
         if code not in _SAFETENSORS_DTYPES:
             raise ModelLoadError(f"tensor {name} has unsupported dtype {code}")
         return _SAFETENSORS_DTYPES[code]
@@ -126,6 +168,23 @@ class CheckpointReader:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _is_compressed(handle: Any) -> bool:
+    return isinstance(handle, CompressedSafetensorsReader)
+
+
+@contextmanager
+def _as_load_error() -> Iterator[None]:
+    """Report codec failures (checksum, layout, format version) as the engine's load error.
+
+    The codec's message already names the file and tensor; it may be a later tensor than the one
+    asked for, as the reader decodes several consecutive tensors together.
+    """
+    try:
+        yield
+    except CompressionError as exc:
+        raise ModelLoadError(f"cannot load compressed weights: {exc}") from exc
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:

@@ -11,6 +11,9 @@ from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.model_config import ModelConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# How a compressed checkpoint's weights are held: decoded once while loading, or kept compressed
+# on the device with each decoder layer decoded just before it runs (see compressed_weights.py).
+CompressedWeights = Literal["decompress_at_load", "per_layer"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,6 +34,7 @@ class EngineConfig:
     enforce_eager: bool = False
     show_progress: bool | None = None  # None: only on a terminal
     num_threads: int | None = None  # torch intra-op threads on the CPU
+    compressed_weights: CompressedWeights = "decompress_at_load"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,6 +48,11 @@ class EngineConfig:
             )
         if self.dtype not in ("auto", *_DTYPES):
             raise EngineError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.compressed_weights not in ("decompress_at_load", "per_layer"):
+            raise EngineError(
+                "compressed_weights must be decompress_at_load|per_layer, "
+                f"got {self.compressed_weights!r}"
+            )
         if self.device == "auto":
             object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
 

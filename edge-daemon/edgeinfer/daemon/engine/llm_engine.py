@@ -320,9 +320,30 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_tokens
         self.block_manager.cache_full_blocks(seq)
         self.scheduler.add_running(seq)
+        # The prefill side drew the first token from its copy of this seed: skip that draw so
+        # the rest of the sequence matches a single engine's.
+        seq.sampling.skip_draw(self.model_config.vocab_size, self.runner.device)
         return self._on_token(req, first_token, logprob)
 
     # ---- helpers --------------------------------------------------------------------
+    def cached_prefix_tokens(self, prompt_token_ids: Seq[int]) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now (a check only)."""
+        probe = Sequence(
+            "__probe__", list(prompt_token_ids), SamplingParams(), SamplingState(SamplingParams())
+        )
+        try:
+            return len(self.block_manager.match_prefix(probe)) * self.config.block_size
+        finally:
+            self.block_manager.forget(probe)
+
+    @property
+    def prompt_tokens_computed(self) -> int:
+        return self._prompt_tokens
+
+    @property
+    def generation_tokens(self) -> int:
+        return self._generation_tokens
+
     def stats(self) -> EngineStats:
         held = [r for r in self._requests.values() if r.seq.status is SequenceStatus.PREFILLED]
         pending = [
@@ -341,6 +362,10 @@ class LLMEngine:
             num_preemptions=self._num_preemptions,
             prompt_tokens_computed=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            queued_prompt_tokens=sum(
+                max(s.num_prompt_tokens - s.num_computed_tokens, 0)
+                for s in (*self.scheduler.waiting, *self.scheduler.running)
+            ),
         )
 
     def prompt_logits(self, token_ids: Seq[int]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
+from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.model import CausalLM
@@ -35,7 +36,7 @@ class ModelRunner:
         self.dtype = cfg.resolve_dtype(model_cfg)
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
-        self.model = self._load(model_cfg, model_dir, cfg.show_progress)
+        self.model = self._load(model_cfg, model_dir, cfg)
         self.layout = KVLayout(
             num_layers=model_cfg.num_layers,
             block_size=cfg.block_size,
@@ -51,16 +52,16 @@ class ModelRunner:
         )
         self.kv_cache = KVCache(self.layout, num_blocks, self.device)
         self.graphs = None
-        if self.device.type == "cuda" and not cfg.enforce_eager:
+        # Per-layer decoding swaps parameter storage in hooks, which a captured graph cannot see.
+        eager = cfg.enforce_eager or cfg.compressed_weights == "per_layer"
+        if self.device.type == "cuda" and not eager:
             from edgeinfer.daemon.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(
                 self, max_batch=cfg.max_num_seqs, max_model_len=cfg.resolve_max_model_len(model_cfg)
             )
 
-    def _load(
-        self, model_cfg: ModelConfig, model_dir: Path, show_progress: bool | None
-    ) -> CausalLM:
+    def _load(self, model_cfg: ModelConfig, model_dir: Path, cfg: EngineConfig) -> CausalLM:
         # Build on the meta device so no time goes into random init we would overwrite.
         with torch.device("meta"):
             model = CausalLM(model_cfg)
@@ -70,13 +71,16 @@ class ModelRunner:
         model.rotary_emb = RotaryEmbedding(model_cfg).to(self.device)
         optional = {"lm_head.weight"} if model_cfg.tie_word_embeddings else set()
         with CheckpointReader(model_dir) as reader:
+            kept: set[str] = set()
+            if cfg.compressed_weights == "per_layer":
+                kept = keep_layers_compressed(model, reader, self.dtype, self.device)
             load_weights(
                 model,
                 reader,
-                name_map=lambda n: None if _skip_tensor(n) else n,
+                name_map=lambda n: None if _skip_tensor(n) or n in kept else n,
                 dtype=self.dtype,
-                show_progress=show_progress,
-                optional=optional,
+                show_progress=cfg.show_progress,
+                optional=optional | kept,
             )
         return model.eval()
 

@@ -46,6 +46,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_computed: int
     generation_tokens: int
+    queued_prompt_tokens: int = 0  # prompt tokens admitted but not computed yet
 
     @property
     def kv_cache_usage(self) -> float:

@@ -69,6 +69,15 @@ class SamplingState:
             self._generator.manual_seed(self.params.seed)
         return self._generator
 
+    def skip_draw(self, vocab_size: int, device: torch.device) -> None:
+        """Advance a seeded generator by the draw one sampled token consumes (a row of
+        ``vocab_size`` exponentials), for a token that was sampled elsewhere."""
+        if self.params.greedy:
+            return
+        generator = self.generator(device)
+        if generator is not None:
+            torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
     @property
     def has_penalties(self) -> bool:
         p = self.params

@@ -106,6 +106,11 @@ class PrefillServer:
     def in_flight(self) -> int:
         return len(self._transfers)
 
+    def set_draining(self, draining: bool) -> None:
+        """While draining, new prefill requests get a ``draining`` error; transfers in flight
+        run to the end (an operator's drain must not cut a decode daemon's KV in half)."""
+        self._draining = draining
+
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         tune_socket(sock, self._limits)

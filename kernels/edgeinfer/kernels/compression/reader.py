@@ -43,6 +43,8 @@ _ITEM_SIZES = {
     "I16": 2,
     "U16": 2,
 }
+# Safetensors dtype code of each compressed dtype, so headers read the same for both kinds.
+_DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16"}
 
 
 def open_safetensors(path: Path) -> tuple[Any, dict[str, str]]:
@@ -137,6 +139,20 @@ class CompressedSafetensorsReader:
     def metadata(self, file: Path) -> dict[str, str]:
         """Header metadata of one of the files read (includes the compression key if any)."""
         return self._metadata[file]
+
+    def header_info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """Safetensors dtype code ("BF16", "F32"...) and shape of the original tensor.
+
+        Read from the headers only, so a loader can check shapes before decoding anything.
+        """
+        handle, file, entry = self._lookup(name)
+        if entry is None:
+            view = handle.get_slice(name)
+            return view.get_dtype(), tuple(view.get_shape())
+        try:
+            return _DTYPE_CODES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptDataError(f"{file}: tensor {name}: malformed metadata ({exc})") from exc
 
     def stored_nbytes(self, name: str) -> int:
         """Bytes the tensor takes in the file (all its parts when compressed)."""

@@ -1,0 +1,105 @@
+"""What the daemon says about its load: the heartbeat it publishes and its measured rates.
+
+Engine statistics live in the engine thread, so a background task copies a snapshot every
+heartbeat period (through ``AsyncEngine.call``); the heartbeat callback, which must not wait,
+reads that snapshot. Prefill and decode rates are tokens per *busy* second of engine steps,
+fed from the engine thread after each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from edgeinfer.daemon.config import DaemonConfig
+from edgeinfer.daemon.engine.async_engine import AsyncEngine
+from edgeinfer.daemon.engine.errors import EngineError
+from edgeinfer.daemon.engine.outputs import EngineStats
+from edgeinfer.daemon.heartbeat import RateMeter
+from edgeinfer.daemon.metrics import DaemonMetrics
+
+
+class LoadTracker:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        engine: AsyncEngine,
+        metrics: DaemonMetrics,
+        status: Callable[[], tuple[bool, bool, int]],
+    ) -> None:
+        """``status`` returns (draining, drained, requests in flight) of the daemon."""
+        self.config = config
+        self.engine = engine
+        self.metrics = metrics
+        self.status = status
+        self.stats: EngineStats | None = None
+        self._prefill = RateMeter()
+        self._decode = RateMeter()
+        self._lock = threading.Lock()  # the meters are fed by the engine thread
+        self._task: asyncio.Task[None] | None = None
+        engine.on_step = self._on_step
+
+    def _on_step(self, seconds: float, prompt_tokens: int, generated: int) -> None:
+        # A mixed step's time counts against both stages: a conservative rate for each.
+        with self._lock:
+            if prompt_tokens:
+                self._prefill.add(prompt_tokens, seconds)
+            if generated:
+                self._decode.add(generated, seconds)
+
+    def rates(self) -> tuple[float, float]:
+        with self._lock:
+            return self._prefill.rate(), self._decode.rate()
+
+    async def refresh(self) -> EngineStats | None:
+        with contextlib.suppress(EngineError):
+            self.stats = await self.engine.call(lambda e: e.stats())
+        return self.stats
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="edgeinfer-load-report")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        # Twice per heartbeat period, so a heartbeat never carries a snapshot older than that.
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s / 2)
+            await self.refresh()
+
+    def heartbeat(self) -> dict[str, Any]:
+        """The heartbeat fields this daemon owns (the publisher adds v, seq and times)."""
+        cfg, s = self.config, self.stats
+        draining, drained, in_flight = self.status()
+        prefill_rate, decode_rate = self.rates()
+        ttft = list(self.metrics.recent_ttft)
+        itl = list(self.metrics.recent_itl)
+        return {
+            "daemon_id": f"http://{cfg.public_host}:{cfg.port}",
+            "pop": cfg.pop,
+            "role": cfg.role,
+            "model": cfg.model_name,
+            "kv_endpoint": cfg.kv_endpoint if cfg.role != "decode" else None,
+            "running": s.num_running if s else 0,
+            "waiting": s.num_waiting if s else 0,
+            "kv_blocks_free": (s.kv_blocks_total - s.kv_blocks_used) if s else 0,
+            "kv_blocks_total": s.kv_blocks_total if s else 0,
+            "block_size": cfg.block_size,
+            "prefill_tokens_per_s": prefill_rate,
+            "decode_tokens_per_s": decode_rate,
+            "ttft_p50_s": statistics.median(ttft) if ttft else None,
+            "itl_p50_s": statistics.median(itl) if itl else None,
+            "queued_prefill_tokens": s.queued_prompt_tokens if s else 0,
+            "draining": draining,
+            "drained": drained,
+            "in_flight": in_flight,
+        }
