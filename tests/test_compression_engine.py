@@ -46,7 +46,9 @@ def test_reader_serves_compressed_checkpoint(checkpoints: tuple[Path, Path]) -> 
         for name in plain.names():
             assert packed.shape(name) == plain.shape(name)
             assert packed.dtype(name) == plain.dtype(name)
-            assert torch.equal(packed.get(name).view(torch.int16), plain.get(name).view(torch.int16))
+            assert torch.equal(
+                packed.get(name).view(torch.int16), plain.get(name).view(torch.int16)
+            )
         assert torch.equal(packed.get_slice(WEIGHT, -1, 8, 24), plain.get_slice(WEIGHT, -1, 8, 24))
         assert packed.get_compressed(WEIGHT) is not None and plain.get_compressed(WEIGHT) is None
 

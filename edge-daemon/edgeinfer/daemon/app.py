@@ -23,11 +23,11 @@ from edgeinfer.daemon.api.protocol import ModelInfo
 from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
-from edgeinfer.daemon.metrics import DaemonMetrics
 from edgeinfer.daemon.load_report import LoadTracker
+from edgeinfer.daemon.metrics import DaemonMetrics
 from edgeinfer.daemon.serving import RequestRunner
-from edgeinfer.daemon.transfer_plane import TransferPlane, TransferPlaneError
 from edgeinfer.daemon.state import CONFIG_KEY, METRICS_KEY, STATE_KEY, ServingState
+from edgeinfer.daemon.transfer_plane import TransferPlane, TransferPlaneError
 from edgeinfer.shared.errors import EdgeInferError
 
 log = logging.getLogger(__name__)
