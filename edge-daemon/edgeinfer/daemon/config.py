@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeinfer.daemon.engine.config import DType, EngineConfig
+from edgeinfer.daemon.engine.config import CompressedWeights, DType, EngineConfig
 from edgeinfer.daemon.engine.default_model import DEFAULT_MODEL
 from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.shared.config import load_config
 from edgeinfer.shared.errors import ConfigError
+from edgeinfer.shared.logs import LogFormat
 
 Role = Literal["both", "prefill", "decode"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -44,6 +45,7 @@ class DaemonConfig:
     advertise_host: str | None = None
     pop: str = "local"  # the point of presence this daemon runs in, reported to the router
     log_level: LogLevel = "info"
+    log_format: LogFormat = "text"  # text | kv | json: one line per event either way
     # ---- disaggregation ----
     prefill_peers: tuple[str, ...] = ()  # ZeroMQ endpoints of prefill daemons
     # Prompts shorter than this many tokens are prefilled locally even when a peer is known:
@@ -67,6 +69,7 @@ class DaemonConfig:
     max_model_len: int | None = EngineConfig.max_model_len
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     num_threads: int | None = EngineConfig.num_threads
+    compressed_weights: CompressedWeights = EngineConfig.compressed_weights
 
     def __post_init__(self) -> None:
         for name in ("port", "kv_port", "heartbeat_port"):
@@ -143,6 +146,7 @@ class DaemonConfig:
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_threads=self.num_threads,
+                compressed_weights=self.compressed_weights,
                 # A daemon logs; a progress bar in its journal is noise.
                 show_progress=False,
             )

@@ -3,7 +3,10 @@
 Settings come from ``--config FILE`` (its ``[daemon]`` table), then ``EDGEINFER_*`` environment
 variables, then flags. Start-up problems (bad config, port in use, unloadable model) end the
 process with one ``edge-daemon: error: ...`` line and a non-zero status: 2 for configuration,
-1 for the rest. SIGTERM/SIGINT drain in-flight requests (up to ``drain_timeout_s``) first.
+1 for the rest. SIGTERM/SIGINT drain in-flight requests (up to ``drain_timeout_s``, then abort
+the rest with an error) and exit 0; SIGHUP re-reads the settings and applies the log level and
+format (the others need a restart and are named in the log). Under systemd (``Type=notify``) the
+daemon reports loading progress, READY=1 once the model serves, STOPPING=1, and watchdog pings.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,8 +26,12 @@ from aiohttp import web
 
 from edgeinfer.daemon.app import DaemonError, build_app
 from edgeinfer.daemon.config import DaemonConfig, load_daemon_config
-from edgeinfer.daemon.state import STATE_KEY
+from edgeinfer.daemon.lifecycle import drain, wait_loaded
+from edgeinfer.daemon.state import STATE_KEY, Phase
 from edgeinfer.shared.errors import ConfigError
+from edgeinfer.shared.logs import configure_logging
+from edgeinfer.shared.reload import LOGGING_KEYS, SettingsReloader
+from edgeinfer.shared.sdnotify import Notifier
 
 log = logging.getLogger("edgeinfer.daemon")
 
@@ -33,9 +41,13 @@ EXIT_CONFIG = 2
 _SHUTDOWN_GRACE_S = 2.0
 
 
-async def serve(config: DaemonConfig) -> None:
-    """Listen, load the model, serve until SIGTERM/SIGINT, then drain and stop."""
+async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> None:
+    """Listen, load the model, serve until SIGTERM/SIGINT, then drain and stop.
+
+    ``reload`` re-reads the settings on SIGHUP; without it SIGHUP keeps its default action.
+    """
     app = build_app(config)
+    notifier = Notifier.from_env()
     # handler_cancellation: a dropped connection cancels its handler, which aborts the request
     # even while it waits in the queue or prefills (no write is there to fail). The short
     # shutdown_timeout applies after our own drain, which already waited drain_timeout_s.
@@ -53,29 +65,23 @@ async def serve(config: DaemonConfig) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if reload is not None:
+            reloader = SettingsReloader(config, reload, LOGGING_KEYS)
+            loop.add_signal_handler(signal.SIGHUP, reloader.reload)
         state = app[STATE_KEY]
         log.info("listening on http://%s:%d (role %s)", config.host, config.port, config.role)
-        await _first_of(state.settled, stop)
-        if state.load_error is not None:
-            raise DaemonError(f"cannot load model {config.model_name!r}: {state.load_error}")
-        await stop.wait()
-        state.drain()
-        if state.plane is not None:
-            await state.plane.set_draining(True)
-        log.info("stopping: waiting for %d in-flight requests", state.in_flight)
-        if not await state.wait_idle(config.drain_timeout_s):
-            log.warning("drain timeout: aborting %d requests", state.in_flight)
+        # The engine thread dying leaves the loop turning: stop the pings so systemd restarts us.
+        async with notifier.watchdog(healthy=lambda: state.phase is not Phase.FAILED):
+            await wait_loaded(state, stop, notifier, config)
+            if state.load_error is not None:
+                raise DaemonError(f"cannot load model {config.model_name!r}: {state.load_error}")
+            where = f"{config.host}:{config.port}"
+            notifier.ready(f"serving {config.model_name} on {where} (role {config.role})")
+            await stop.wait()
+            await drain(state, config, notifier)
     finally:
         await runner.cleanup()
-
-
-async def _first_of(*events: asyncio.Event) -> None:
-    waiters = [asyncio.create_task(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
+        notifier.close()
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -109,20 +115,22 @@ def _fail(message: str, code: int) -> NoReturn:
 )
 @click.option("--pop", help="Name of this point of presence.")
 @click.option("--log-level", help="debug | info | warning | error")
+@click.option("--log-format", help="text | kv | json (one line per event)")
 def main(config_file: Path | None, **flags: Any) -> None:
     """Serve an LLM over an OpenAI-compatible HTTP API."""
     # click reports an absent repeatable option as (); the loader's "not given" is None.
     flags["prefill_peers"] = flags["prefill_peers"] or None
+
+    def load() -> DaemonConfig:
+        return load_daemon_config(config_file, env=os.environ, overrides=flags)
+
     try:
-        config = load_daemon_config(config_file, env=os.environ, overrides=flags)
+        config = load()
     except ConfigError as exc:
         _fail(str(exc), EXIT_CONFIG)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(config.log_level, config.log_format)
     try:
-        uvloop.run(serve(config))
+        uvloop.run(serve(config, load))
     except DaemonError as exc:
         _fail(str(exc), EXIT_RUNTIME)
 

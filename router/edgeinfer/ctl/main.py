@@ -51,3 +51,7 @@ def _register() -> None:
 
 
 _register()
+
+
+if __name__ == "__main__":
+    cli()

@@ -109,6 +109,8 @@ def _pop_json(proxy: Proxy, name: str, views: Sequence[DaemonView], now: float) 
         "lat": pop.lat,
         "lon": pop.lon,
         "draining": proxy.registry.pop_drained(name),
+        # This router's measured round trip to the PoP (EWMA of /health probes); None: unprobed.
+        "rtt_ms": None if (rtt := proxy.registry.rtt(name)) is None else rtt * 1000,
         # This router's own count is exact now; the daemons' (all routers) lags a heartbeat.
         "in_flight": max(proxy.in_flight[name], proxy.registry.in_flight(name, now)),
         "daemons": [daemon_json(v, now) for v in views if v.pop == name],

@@ -24,6 +24,7 @@ from edgeinfer.router.pop_registry import PopConfig
 from edgeinfer.router.selector import PlacementConfig
 from edgeinfer.shared.config import load_config
 from edgeinfer.shared.errors import ConfigError
+from edgeinfer.shared.logs import LogFormat
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -40,6 +41,7 @@ class RouterConfig:
     trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
     admin_token_file: Path | None = None  # without it the admin API refuses every request
     log_level: LogLevel = "info"
+    log_format: LogFormat = "text"  # text | kv | json: one line per event either way
     # ---- placement ----
     # Defaults are PlacementConfig's, so each lives in one place.
     itl_slo_s: float = PlacementConfig.itl_slo_s  # decode daemons expected to exceed it lose

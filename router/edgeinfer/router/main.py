@@ -6,8 +6,10 @@ Settings come from ``--config FILE`` (its ``[router]`` table and ``[[pop]]`` lis
 
 Signals follow uvicorn's ``should_exit``/``force_exit`` split: the first SIGTERM or SIGINT
 stops accepting connections and lets in-flight streams finish (up to ``shutdown_timeout_s``);
-a second one stops waiting. SIGHUP re-reads the PoP list; a bad file is logged and the old list
-stays, because a typo must not take a serving router down.
+a second one stops waiting. SIGHUP re-reads the PoP list, the log level and the log format
+(other changed settings are logged as needing a restart); a bad file is logged and the old list
+stays, because a typo must not take a serving router down. Under systemd (``Type=notify``) the
+router sends READY=1 once it listens, STOPPING=1 on the first signal, and watchdog pings.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ import uvloop
 from aiohttp import web
 
 from edgeinfer.router.app import RouterSetup, create_app, make_runner, reload_pops
-from edgeinfer.router.config import load_pops, load_router_config
+from edgeinfer.router.config import RouterConfig, load_pops, load_router_config
 from edgeinfer.shared.errors import ConfigError, EdgeInferError
+from edgeinfer.shared.logs import configure_logging
+from edgeinfer.shared.reload import LOGGING_KEYS, SettingsReloader
+from edgeinfer.shared.sdnotify import Notifier
 
 log = logging.getLogger("edgeinfer.router")
 
@@ -50,9 +55,11 @@ class _Shutdown:
         self.should_exit.set()
 
 
-async def serve(setup: RouterSetup) -> None:
+async def serve(setup: RouterSetup, settings: SettingsReloader[RouterConfig] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; ``settings`` re-reads the router's own settings on SIGHUP."""
     config = setup.config
     app = create_app(setup)
+    notifier = Notifier.from_env()
     runner = make_runner(app, config)
     await runner.setup()
     try:
@@ -70,18 +77,24 @@ async def serve(setup: RouterSetup) -> None:
         shutdown = _Shutdown(task)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, shutdown.handle, sig)
-        loop.add_signal_handler(signal.SIGHUP, _reload, app)
+        loop.add_signal_handler(signal.SIGHUP, _reload, app, settings)
         log.info(
             "listening on http://%s (PoP %s, %d PoPs)", config.listen, config.here, len(setup.pops)
         )
-        await shutdown.should_exit.wait()
+        async with notifier.watchdog():
+            notifier.ready(f"routing on {config.listen} (PoP {config.here})")
+            await shutdown.should_exit.wait()
+            notifier.stopping("letting in-flight streams finish")
     finally:
         # Stops listening, waits for running handlers (streams) up to shutdown_timeout_s, then
         # runs cleanup_ctx: discovery, heartbeats and the upstream pool go last.
         await runner.cleanup()
+        notifier.close()
 
 
-def _reload(app: web.Application) -> None:
+def _reload(app: web.Application, settings: SettingsReloader[RouterConfig] | None) -> None:
+    if settings is not None:
+        settings.reload()
     try:
         reload_pops(app)
     except EdgeInferError as exc:
@@ -103,12 +116,18 @@ def _fail(message: str, code: int) -> NoReturn:
 )
 @click.option("--listen", help="HOST:PORT to serve on.")
 @click.option("--log-level", help="debug | info | warning | error")
-def main(config_file: Path, listen: str | None, log_level: str | None) -> None:
+@click.option("--log-format", help="text | kv | json (one line per event)")
+def main(
+    config_file: Path, listen: str | None, log_level: str | None, log_format: str | None
+) -> None:
     """Place OpenAI API requests on the best prefill and decode PoPs and proxy them."""
+    flags = {"listen": listen, "log_level": log_level, "log_format": log_format}
+
+    def load() -> RouterConfig:
+        return load_router_config(config_file, env=os.environ, overrides=flags)
+
     try:
-        config = load_router_config(
-            config_file, env=os.environ, overrides={"listen": listen, "log_level": log_level}
-        )
+        config = load()
         setup = RouterSetup(
             config=config,
             pops=load_pops(config_file, config.here),
@@ -117,14 +136,12 @@ def main(config_file: Path, listen: str | None, log_level: str | None) -> None:
         )
     except ConfigError as exc:
         _fail(str(exc), EXIT_CONFIG)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(config.log_level, config.log_format)
     if setup.admin_token is None:
         log.warning("no admin_token_file: the admin API (drain, status) refuses every call")
     try:
-        uvloop.run(serve(setup))
+        # The PoP list is reloaded separately (reload_pops); these are the [router] settings.
+        uvloop.run(serve(setup, SettingsReloader(config, load, LOGGING_KEYS)))
     except asyncio.CancelledError:
         sys.exit(EXIT_RUNTIME)  # a second signal cut the graceful shutdown short
     except EdgeInferError as exc:

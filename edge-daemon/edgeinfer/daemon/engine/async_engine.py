@@ -82,6 +82,17 @@ class AsyncEngine:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def abort_all(self, exc: EngineError) -> int:
+        """End every open stream with ``exc`` (call on the event loop); returns how many.
+
+        Shutdown uses it once the drain timeout passed: each handler then answers with a
+        clean error (an SSE error event, or a 500 body) instead of a cut connection, and
+        closing its iterator aborts the request in the engine as usual.
+        """
+        for q in self._streams.values():
+            q.put_nowait(exc)
+        return len(self._streams)
+
     async def generate(
         self,
         request_id: str,

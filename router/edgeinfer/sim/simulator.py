@@ -1,0 +1,249 @@
+"""The event loop: requests placed by a policy, served by engines, across a lossy globe.
+
+A request's life: the policy places it against the registry snapshot (a placement on a dead
+daemon costs a connect timeout, marks it down and moves to the next, as the proxy does); it
+travels half the client RTT to its decode engine and waits for admission there; for remote
+prefill its job travels half the P-D RTT, queues and computes on P, and its pages come back
+(the part of the transfer not hidden behind compute, plus half the RTT); it decodes at D; its
+first token goes back half the client RTT. RTTs are the router's fibre floor times log-normal
+jitter. Daemons report through real heartbeats into a real ``PopRegistry`` every period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from edgeinfer.router.network import NetworkModel, PopGeometry, unit_vectors
+from edgeinfer.router.pop_registry import PopConfig, PopRegistry
+from edgeinfer.router.selector import RequestFeatures
+from edgeinfer.shared.heartbeat import Heartbeat
+from edgeinfer.sim import SimError
+from edgeinfer.sim.events import (
+    AT_DECODE, AT_PREFILL, BUCKET, DONE, FAILED, HEARTBEAT, KV_ARRIVED, PENDING, POP_DRAIN,
+    POP_FAIL, POP_RECOVER, REJECTED, STEP_END, EventQueue, Requests,
+)  # fmt: skip
+from edgeinfer.sim.policies import Policy
+from edgeinfer.sim.profile import EngineProfile
+from edgeinfer.sim.servers import Engine, Job
+from edgeinfer.sim.topology import Topology
+from edgeinfer.sim.workload import Workload
+
+MODEL = "sim-model"
+CLOCK0 = 1_000.0  # registry clock at simulated t=0 (any positive origin works)
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outage:
+    pop: str
+    start_s: float
+    end_s: float | None = None  # None: to the end
+    kind: str = "fail"  # "fail": power off, in-flight work is lost; "drain": admin drain
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    seed: int = 0
+    heartbeat_interval_s: float = 5.0
+    net: NetworkModel = NetworkModel()
+    jitter_sigma: float = 0.15  # log-normal sigma of RTT / floor
+    intra_pop_gbps: float = 100.0  # P -> D inside one PoP
+    kv_tokens_per_gpu: int = 300_000  # ~40 GB of bf16 Llama-3-8B KV
+    max_seqs: int = 128
+    connect_timeout_s: float = 0.5  # what a placement on a dead daemon costs before the next
+    outages: tuple[Outage, ...] = ()
+    bucket_s: float = 60.0  # utilisation timeline resolution
+    drain_limit_s: float = 600.0  # after the last arrival, stop waiting for stragglers
+
+
+@dataclasses.dataclass
+class SimResult:
+    policy: str
+    workload: Workload
+    topology: Topology
+    config: SimConfig
+    requests: dict[str, np.ndarray]
+    engines: list[dict[str, object]]  # url, pop, role, busy_s, prefill_s, decode_s, tokens
+    timeline: dict[str, list[float]]  # per role: busy fraction per bucket
+    counters: dict[str, float]
+    received: dict[str, int]  # requests whose decode engine was in each PoP
+    sim_end_s: float
+    wall_s: float
+
+
+class Simulation:
+    def __init__(self, topo: Topology, work: Workload, policy: Policy, prof: EngineProfile,
+                 cfg: SimConfig) -> None:  # fmt: skip
+        if len(work) == 0:
+            raise SimError("the workload has no requests")
+        self.topo, self.work, self.policy, self.prof, self.cfg = topo, work, policy, prof, cfg
+        self.q = EventQueue()
+        self.reqs = Requests(work.prompt.tolist(), work.output.tolist(), 16)
+        self.engines: list[Engine] = []
+        configs = []
+        for pi, pop in enumerate(topo.pops):
+            urls = []
+            for role, count in zip(ROLES, (pop.split.prefill, pop.split.decode, pop.split.both)):
+                for k in range(count):
+                    url = f"http://{pop.name}-{role}{k}:8000"
+                    urls.append(url)
+                    self.engines.append(Engine(len(self.engines), url, pi, role, prof,
+                                               cfg.kv_tokens_per_gpu, cfg.max_seqs, self.reqs, self))  # fmt: skip
+            configs.append(PopConfig(pop.name, pop.lat, pop.lon, tuple(urls)))
+        self.by_url = {e.url: e for e in self.engines}
+        self.registry = PopRegistry(configs, topo.pops[0].name, cfg.heartbeat_interval_s)
+        self.geo = PopGeometry({p.name: (p.lat, p.lon) for p in topo.pops}, cfg.net)
+        self.inflight: list[set[int]] = [set() for _ in self.engines]
+        self.hb_seq = [0] * len(self.engines)
+        self.incarnation = [1.7e9] * len(self.engines)
+        rng = np.random.default_rng(cfg.seed)
+        n = len(work)
+        self.jitter = np.exp(rng.normal(0.0, cfg.jitter_sigma, (2, n))).tolist()
+        self.c_xyz = unit_vectors(work.lat, work.lon)
+        here = np.concatenate([np.argmax(self.c_xyz[i : i + 65536] @ self.geo.xyz.T, axis=1)
+                               for i in range(0, n, 65536)])  # fmt: skip
+        self.here = [topo.pops[k].name for k in here.tolist()]
+        self.p_xyz = self.geo.xyz.tolist()
+        self.s_per_rad = 6371.0088 / cfg.net.fibre_km_per_ms * 1e-3
+        self.counters = dict.fromkeys(
+            ("failed_in_flight", "rejected", "connect_failures", "prefill_fallbacks",
+             "kv_bytes_cross_pop", "kv_bytes_intra_pop", "remote_prefills"), 0.0)  # fmt: skip
+        self.buckets: dict[str, list[float]] = {r: [] for r in ROLES}
+        self._busy_mark = dict.fromkeys(ROLES, 0.0)
+        self._role_count = {r: sum(e.role == r for e in self.engines) for r in ROLES}
+        kv = prof.kv_bytes_per_token
+        self.kv_s_inter = kv / cfg.net.inter_pop_bytes_per_s
+        self.kv_s_intra = kv / (cfg.intra_pop_gbps * 1e9 / 8)
+
+    # ---- callbacks from engines ------------------------------------------------------
+    def push(self, t: float, kind: int, a: int = 0, b: int = 0, c: float = 0.0) -> None:
+        self.q.push(t, kind, a, b, c)
+
+    def send_prefill(self, r: int, now: float) -> None:
+        d, p = self.reqs.decode[r], self.reqs.prefill[r]
+        rtt = self.geo.rtt[self.engines[d].pop, self.engines[p].pop] * self.jitter[1][r]
+        self.q.push(now + rtt / 2, AT_PREFILL, r)
+
+    def prefilled(self, job: Job, now: float) -> None:
+        r, d = job[0], job[2]
+        pe, de = self.engines[self.reqs.prefill[r]], self.engines[d]
+        tokens, prof = self.reqs.prompt[r], self.prof
+        compute = tokens * prof.prefill_token_s + prof.prefill_attention_s * tokens * tokens / 2
+        same = pe.pop == de.pop
+        link = tokens * (self.kv_s_intra if same else self.kv_s_inter)
+        # Pages of finished chunks stream while later chunks compute; the last chunk cannot.
+        kv_s = max(link - compute, link * min(1.0, prof.max_num_batched_tokens / tokens))
+        rtt = 0.0 if same else self.geo.rtt[pe.pop, de.pop] * self.jitter[1][r]
+        key = "kv_bytes_intra_pop" if same else "kv_bytes_cross_pop"
+        self.counters[key] += tokens * prof.kv_bytes_per_token
+        self.counters["remote_prefills"] += 1
+        self.q.push(now + kv_s + rtt / 2, KV_ARRIVED, r)
+
+    def finished(self, r: int, engine: Engine) -> None:
+        self.inflight[engine.idx].discard(r)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> SimResult:
+        wall = time.perf_counter()
+        q, engines, cfg = self.q, self.engines, self.cfg
+        self.last_arrival = float(self.work.t[-1])
+        rng = np.random.default_rng(cfg.seed + 1)
+        for e, phase in zip(engines, rng.uniform(0, cfg.heartbeat_interval_s, len(engines))):
+            self._heartbeat(e, 0.0)  # a warm start: every daemon has spoken once
+            q.push(float(phase), HEARTBEAT, e.idx)
+        index = {p.name: i for i, p in enumerate(self.topo.pops)}
+        for o in cfg.outages:
+            if o.pop not in index or o.kind not in ("fail", "drain"):
+                raise SimError(f"bad outage {o}: unknown PoP or kind")
+            start, end = (POP_FAIL, POP_RECOVER) if o.kind == "fail" else (POP_DRAIN, POP_DRAIN)
+            q.push(o.start_s, start, index[o.pop], 1)
+            if o.end_s is not None:
+                q.push(o.end_s, end, index[o.pop], 0)
+        q.push(cfg.bucket_s, BUCKET)
+        arrivals, n, i = self.work.t.tolist(), len(self.work), 0
+        heap, pop, stop = q.heap, q.pop, self.last_arrival + cfg.drain_limit_s
+        t = 0.0
+        while True:
+            if i < n and (not heap or arrivals[i] <= heap[0][0]):
+                self._arrive(i, arrivals[i])
+                i += 1
+                continue
+            if not heap or heap[0][0] > stop:
+                break
+            t, _, kind, a, b, _c = pop()
+            if kind == STEP_END:
+                e = engines[a]
+                if e.epoch == b and e.alive:
+                    e.step_end(t)
+            elif kind == AT_DECODE:
+                self._at_decode(a, t)
+            elif kind == KV_ARRIVED:
+                d = engines[self.reqs.decode[a]]
+                if self.reqs.status[a] == PENDING and d.alive:
+                    d.join(a, t)
+            elif kind == AT_PREFILL:
+                self._at_prefill(a, t)
+            elif kind == HEARTBEAT:
+                self._heartbeat(engines[a], t)
+                if t < self.last_arrival:
+                    q.push(t + cfg.heartbeat_interval_s, HEARTBEAT, a)
+            elif kind == BUCKET:
+                self._bucket()
+                if t < self.last_arrival or i < n:
+                    q.push(t + cfg.bucket_s, BUCKET)
+            else:
+                self._outage(kind, a, b, t)
+        return self._result(t, time.perf_counter() - wall)
+
+    def _arrive(self, r: int, now: float) -> None:
+        reqs, work = self.reqs, self.work
+        views = self.registry.snapshot(CLOCK0 + now)
+        f = RequestFeatures(reqs.prompt[r], reqs.output[r], MODEL)
+        lat, lon = float(work.lat[r]), float(work.lon[r])
+        delay = 0.0
+        for d_url, p_url in self.policy.place(views, lat, lon, f, self.here[r]):
+            d = self.by_url[d_url]
+            if not d.alive:
+                # The proxy's connect fails after a timeout; the daemon is out until it beats.
+                self.registry.mark_down(d_url, CLOCK0 + now)
+                self.counters["connect_failures"] += 1
+                delay += self.cfg.connect_timeout_s
+                continue
+            if reqs.blocks[r] > d.kv_total:
+                break
+            reqs.decode[r] = d.idx
+            reqs.prefill[r] = self.by_url[p_url].idx if p_url else -1
+            cx, px = self.c_xyz[r], self.p_xyz[d.pop]
+            dot = min(1.0, max(-1.0, cx[0] * px[0] + cx[1] * px[1] + cx[2] * px[2]))
+            floor = math.acos(dot) * self.s_per_rad + self.cfg.net.fixed_rtt_ms * 1e-3
+            reqs.net[r] = rtt = floor * self.jitter[0][r]
+            self.inflight[d.idx].add(r)
+            self.q.push(now + delay + rtt / 2, AT_DECODE, r)
+            return
+        reqs.status[r] = REJECTED
+        self.counters["rejected"] += 1
+
+    def _at_decode(self, r: int, now: float) -> None:
+        if self.reqs.status[r] == PENDING:  # else its engine failed while it was on the way
+            self.engines[self.reqs.decode[r]].arrive(r, now)
+
+    def _at_prefill(self, r: int, now: float) -> None:
+        reqs = self.reqs
+        if reqs.status[r] != PENDING:
+            return
+        p, d = self.engines[reqs.prefill[r]], reqs.decode[r]
+        if p.alive:
+            p.enqueue([r, 0, d], now)
+        else:
+            self._fallback(r, now)
+
+    def _fallback(self, r: int, now: float) -> None:
+        """The prefill peer is gone: the decode daemon prefills itself (the daemon's fallback)."""
+        self.counters["prefill_fallbacks"] += 1
+        d = self.reqs.decode[r]
+        self.reqs.prefill[r] = -1
+        self.engines[d].enqueue([r, 0, d], now)
