@@ -12,14 +12,15 @@ Then fits the linear step-cost model the simulator uses (``edgeinfer.sim.profile
     decode step  = fixed + per_seq * batch + per_context_token * context tokens in the batch
 
 and writes raw points, fit and residuals to ``router/edgeinfer/sim/data/engine_profile.json``.
-A CPU running a 135M model is not the GPU serving an 8B model that a PoP runs, so the file also
-holds a GPU-like profile: the measured coefficients times one factor for prefill and one for
-decode, chosen so that a 2048-token prefill takes ``GPU_PREFILL_2048_S`` and a batch-1 decode step
-at 1024 tokens of context takes ``GPU_DECODE_STEP_S`` (Llama-3-8B bf16 on an H100-class GPU, ~13k
-prompt tokens/s and ~80 tokens/s for one stream). The shape (how cost grows with batch and
-length) stays measured; only the level is moved.
+A CPU running a 135M model is not a GPU serving an 8B model: on one core decode is
+compute-bound (a step grows ~linearly with the batch), on a GPU it is bound by reading the
+weights once per step, so batching is almost free. The measured coefficients therefore do not
+transfer by one factor. The file also holds a ``gpu_like`` profile with the *same cost model*
+and each coefficient from the roofline of Llama-3-8B bf16 on an H100-class GPU (constants below,
+derivation in docs/SIMULATION.md); ``scale`` records each coefficient's factor over the measured
+one. The simulator uses ``gpu_like`` unless told ``--profile measured``.
 
-    .venv/bin/python bench/profile_engine.py [--quick]
+    .venv/bin/python bench/profile_engine.py [--quick | --refit]
 """
 
 from __future__ import annotations
@@ -41,9 +42,23 @@ from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 
 OUT = Path(__file__).parents[1] / "router/edgeinfer/sim/data/engine_profile.json"
-GPU_PREFILL_2048_S = 0.16
-GPU_DECODE_STEP_S = 0.012
+# Llama-3-8B bf16 on an H100 SXM: 8e9 parameters, 32 layers, hidden 4096, 3.35 TB/s HBM,
+# ~990 dense bf16 TFLOP/s of which serving engines reach ~40% in prefill, ~70% of HBM in decode.
+PARAMS, LAYERS, HIDDEN = 8.0e9, 32, 4096
+HBM_BYTES_S, PEAK_FLOPS = 3.35e12 * 0.7, 990e12 * 0.4
 GPU_KV_BYTES_PER_TOKEN = 131_072  # as PlacementConfig: 32 layers x 8 heads x 128 x K,V x bf16
+GPU_LIKE = {
+    "prefill": {
+        "fixed_s": 0.004,  # launches, scheduling, sampling: one per step
+        "token_s": 2 * PARAMS / PEAK_FLOPS,  # ~16k prompt tokens/s
+        "attention_s": 4 * LAYERS * HIDDEN / PEAK_FLOPS,  # QK^T and AV per token x position
+    },
+    "decode": {
+        "fixed_s": 2 * PARAMS / HBM_BYTES_S,  # every weight read once per step (~7 ms)
+        "seq_s": 2 * PARAMS / PEAK_FLOPS + 5e-5,  # its matmul share plus per-sequence overhead
+        "context_token_s": GPU_KV_BYTES_PER_TOKEN / HBM_BYTES_S,  # its KV read once per step
+    },
+}
 CHUNK = 2048
 
 
@@ -105,54 +120,58 @@ def fit(rows: list[list[float]], y: list[float], names: list[str]) -> dict[str, 
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller grid (smoke run)")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+def measure(quick: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     engine = LLMEngine(
         EngineConfig(num_threads=1, kv_cache_bytes=2 << 30, enable_prefix_caching=False,
                      max_num_seqs=64, max_num_batched_tokens=CHUNK)
     )  # fmt: skip
     # A 135M model on one core computes ~150 prompt tokens/s: the grid is sized for minutes.
-    lengths = [32, 256, 1024] if args.quick else [32, 128, 512, 1024, 2048, 4096]
+    lengths = [32, 256, 1024] if quick else [32, 128, 512, 1024, 2048, 4096]
     p_grid = [(n, 1) for n in lengths] + [(n, 4) for n in lengths if n <= 512]
-    d_grid = [(b, 64) for b in ([1, 8] if args.quick else [1, 4, 16, 32])]
-    d_grid += [(b, 1024) for b in ([1, 4] if args.quick else [1, 8])]
-    prefill = measure_prefill(engine, p_grid, reps=1)
-    decode = measure_decode(engine, d_grid, steps=4 if args.quick else 8)
+    d_grid = [(b, 64) for b in ([1, 8] if quick else [1, 4, 16, 32])]
+    d_grid += [(b, 1024) for b in ([1, 4] if quick else [1, 8])]
+    cfg = engine.model_config
+    return {
+        "prefill_points": measure_prefill(engine, p_grid, reps=1),
+        "decode_points": measure_decode(engine, d_grid, steps=4 if quick else 8),
+        "kv_bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,  # fp32
+        "max_num_batched_tokens": CHUNK,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller grid (smoke run)")
+    parser.add_argument("--refit", action="store_true", help="refit the points already in --out")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    measured = json.loads(args.out.read_text())["measured"] if args.refit else measure(args.quick)
+    prefill, decode = measured["prefill_points"], measured["decode_points"]
     # Attention of a prompt chunked at CHUNK: each token attends to the tokens before it.
     p_rows = [[p["steps"], p["length"] * p["batch"], p["batch"] * p["length"] ** 2 / 2]
               for p in prefill]  # fmt: skip
     p_fit = fit(p_rows, [p["seconds"] for p in prefill], ["fixed_s", "token_s", "attention_s"])
     d_rows = [[1.0, d["batch"], d["batch"] * d["context"]] for d in decode]
     d_fit = fit(d_rows, [d["step_s"] for d in decode], ["fixed_s", "seq_s", "context_token_s"])
-    p2048 = p_fit["fixed_s"] + 2048 * p_fit["token_s"] + 2048**2 / 2 * p_fit["attention_s"]
-    d1 = d_fit["fixed_s"] + d_fit["seq_s"] + 1024 * d_fit["context_token_s"]
-    scale = {"prefill": GPU_PREFILL_2048_S / p2048, "decode": GPU_DECODE_STEP_S / d1}
-    cfg = engine.model_config
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, fp32
+    residual = {
+        "prefill": [y - sum(c * x for c, x in zip(p_fit.values(), row))
+                    for row, y in zip(p_rows, (p["seconds"] for p in prefill))],
+        "decode": [y - sum(c * x for c, x in zip(d_fit.values(), row))
+                   for row, y in zip(d_rows, (d["step_s"] for d in decode))],
+    }  # fmt: skip
+    scale = {f"{stage}.{k}": (v / fitted[k] if fitted[k] > 0 else None)
+             for stage, fitted in (("prefill", p_fit), ("decode", d_fit))
+             for k, v in GPU_LIKE[stage].items()}  # fmt: skip
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct",
         "host": {"machine": platform.machine(), "torch_threads": 1, "dtype": "float32"},
-        "measured": {
-            "prefill_points": prefill,
-            "decode_points": decode,
-            "prefill": p_fit,
-            "decode": d_fit,
-            "kv_bytes_per_token": kv_bytes,
-            "max_num_batched_tokens": CHUNK,
-        },
+        "measured": measured | {"prefill": p_fit, "decode": d_fit, "residual_s": residual},
         "gpu_like": {
-            "why": (
-                f"measured CPU coefficients x scale so a 2048-token prefill takes "
-                f"{GPU_PREFILL_2048_S}s and a batch-1 decode step at 1024 tokens "
-                f"{GPU_DECODE_STEP_S}s (Llama-3-8B bf16 on an H100-class GPU)"
-            ),
+            "why": "roofline of Llama-3-8B bf16 on an H100-class GPU in the measured cost model "
+            "(bench/profile_engine.py, docs/SIMULATION.md); scale = gpu_like / measured",
             "scale": scale,
-            "prefill": {k: v * scale["prefill"] for k, v in p_fit.items()},
-            "decode": {k: v * scale["decode"] for k, v in d_fit.items()},
+            **GPU_LIKE,
             "kv_bytes_per_token": GPU_KV_BYTES_PER_TOKEN,
             "max_num_batched_tokens": CHUNK,
         },

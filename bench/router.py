@@ -1,4 +1,5 @@
-"""Router benchmark (not a test): placement decisions per second on one core.
+"""Router benchmark (not a test): placement decisions per second on one core, and the latency
+a real router process adds to a streamed response (``router_latency.py``).
 
 Synthetic world: ``--pops`` PoPs (default 300) spread over the inhabited latitudes, each with a
 prefill and a decode daemon and every third with a ``both`` daemon too, all fed through real
@@ -13,10 +14,13 @@ the best (and the median) of ten rounds, because a shared host perturbs single r
 * ``churn``: one heartbeat applied every ``daemons / (interval * rate)`` decisions, i.e. every
   daemon beating every 5 s at the measured rate, so snapshot rebuilds are paid for.
 
+``latency``: p50/p99 of TTFT and of whole streamed responses, direct to a fake daemon vs through
+an ``edge-router`` process, in the same run (see ``router_latency.py``).
+
 Prints a table and merges its results into ``bench/results/router.json`` (other measurements of
 this file keep their keys).
 
-    .venv/bin/python bench/router.py [--run decisions] [--pops 300] [--quick]
+    .venv/bin/python bench/router.py [--run decisions|latency] [--pops 300] [--quick]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from edgeinfer.router.network import NetworkModel  # noqa: E402
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry  # noqa: E402
 from edgeinfer.router.selector import PlacementConfig, RequestFeatures, select  # noqa: E402
 from edgeinfer.shared.heartbeat import Heartbeat  # noqa: E402
+from router_latency import bench_latency  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "router.json"
 TARGET_DECISIONS_PER_S = 20_000
@@ -170,6 +175,7 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
 
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "decisions": bench_decisions,
+    "latency": bench_latency,
 }
 
 

@@ -37,11 +37,11 @@ import platform
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -314,12 +314,11 @@ def daemon_cmd(model_dir: Path, core: str, port: int, kv_port: int, *args: str) 
     ]  # fmt: skip
 
 
-@contextlib.asynccontextmanager
-async def serve(setup: str, model_dir: Path, args: argparse.Namespace) -> AsyncIterator[Proc]:
-    """Start ``setup`` and yield the process whose URL takes the API; kill everything after."""
+def launch(setup: str, model_dir: Path, args: argparse.Namespace) -> tuple[Proc, list[Proc]]:
+    """Spawn ``setup``'s processes without waiting for them; return the API process and all."""
     first, second, both = cores()
-    procs: list[Proc] = []
     workdir = Path(tempfile.mkdtemp(prefix=f"serving-{setup}-"))
+    procs: list[Proc] = []
 
     def daemon(name: str, core: str, threads: int, *flags: str) -> Proc:
         port, kv_port = free_port(), free_port()
@@ -328,36 +327,38 @@ async def serve(setup: str, model_dir: Path, args: argparse.Namespace) -> AsyncI
         procs.append(spawn(name, cmd, env, port, workdir, kv_port))
         return procs[-1]
 
-    try:
-        if setup == "both":
-            api = daemon("both", both, 2, "--role", "both")
-            await wait_healthy(api, 180)
-        elif setup == "pd":
-            prefill = daemon("prefill", first, 1, "--role", "prefill")
-            threshold = [] if args.local_prefill_threshold is None else [
-                "--local-prefill-threshold", str(args.local_prefill_threshold)]  # fmt: skip
-            api = daemon(
-                "decode", second, 1, "--role", "decode",
-                "--prefill-peer", f"tcp://127.0.0.1:{prefill.kv_port}", *threshold,
-            )  # fmt: skip
-            await asyncio.gather(wait_healthy(prefill, 180), wait_healthy(api, 180))
-        elif setup == "vllm":
-            port = free_port()
-            cmd = [
-                "taskset", "-c", both, args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(model_dir), "--dtype", "float32",
-                "--host", "127.0.0.1", "--port", str(port),
-            ]  # fmt: skip
-            env = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-            procs.append(spawn("vllm", cmd, env, port, workdir))
-            api = procs[-1]
-            await wait_healthy(api, 900)
-        else:
-            raise ValueError(f"unknown setup {setup!r}")
-        yield api
-    finally:
-        for proc in procs:
-            proc.stop()
+    if setup == "both":
+        api = daemon("both", both, 2, "--role", "both")
+    elif setup == "pd":
+        prefill = daemon("prefill", first, 1, "--role", "prefill")
+        threshold = [] if args.local_prefill_threshold is None else [
+            "--local-prefill-threshold", str(args.local_prefill_threshold)]  # fmt: skip
+        # The decode daemon's ZeroMQ client reconnects until the prefill daemon listens.
+        api = daemon(
+            "decode", second, 1, "--role", "decode",
+            "--prefill-peer", f"tcp://127.0.0.1:{prefill.kv_port}", *threshold,
+        )  # fmt: skip
+    elif setup == "vllm":
+        port = free_port()
+        cmd = [
+            "taskset", "-c", both, args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(port),
+        ]  # fmt: skip
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            # vLLM would keep one of the two cores for its API server and compute on the
+            # other; edgeinfer's `both` computes on both, so vLLM gets both too.
+            "VLLM_CPU_OMP_THREADS_BIND": both,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        }
+        procs.append(spawn("vllm", cmd, env, port, workdir))
+        api = procs[-1]
+    else:
+        raise ValueError(f"unknown setup {setup!r}")
+    return api, procs
 
 
 async def target_of(url: str, model_dir: Path) -> Target:
@@ -439,7 +440,7 @@ def print_tables(runs: dict[str, Any], comps: dict[str, Any]) -> None:
     for key, r in runs.items():
         wl, setup = key.split("/")
         table.add_row(
-            wl, setup, f"{r['requests'] - r['failed']}/{r['requests']}",
+            wl, setup, f"{r['requests'] - r['failed']:.0f}/{r['requests']:.0f}",
             fmt(r["req_s"], digits=3), fmt(r["output_tok_s"], digits=1),
             fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]),
             fmt(r["itl_p50_s"], 1e3, 0), fmt(r["itl_p99_s"], 1e3, 0),
@@ -462,6 +463,41 @@ def print_tables(runs: dict[str, Any], comps: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------- main
 
 
+async def measure(target: Target, wl: Workload) -> dict[str, Any]:
+    kv_name = "edgeinfer_kv_transfer_bytes_total"
+    kv_before = await metric(target.url, kv_name, "received")
+    t = time.monotonic()
+    results, lag = await drive(target, wl)
+    summary = summarize(wl, results, lag)
+    # Proof that pd really prefilled remotely (0 on both and vLLM).
+    summary["kv_bytes_received"] = await metric(target.url, kv_name, "received") - kv_before
+    summary.update(workload=wl.name, description=wl.description, offered_req_s=wl.offered_rate,
+                   loadavg=os.getloadavg(), wall_s=time.monotonic() - t)  # fmt: skip
+    failed = f", {summary['failed']} failed: {summary['errors']}" if summary["failed"] else ""
+    console.print(
+        f"  {summary['wall_s']:.0f}s, {summary['output_tok_s']:.1f} tok/s, TTFT p50 "
+        f"{fmt(summary['ttft_p50_s'])}s, ITL p99 {fmt(summary['itl_p99_s'], 1e3, 0)}ms{failed}"
+    )
+    return summary
+
+
+KEY_FIGURES = ("output_tok_s", "ttft_p50_s", "itl_p99_s", "e2e_p50_s", "goodput_req_s")
+
+
+def combine(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's figures from its repeats: the median of each number (a shared machine
+    perturbs single runs), the worst failure count, and the key figures of every repeat."""
+    out = dict(reps[0])
+    for key, value in reps[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values = [r[key] for r in reps if r[key] is not None]
+            out[key] = statistics.median(values) if values else None
+    out["failed"] = max(r["failed"] for r in reps)
+    out["errors"] = sorted({e for r in reps for e in r["errors"]})[:5]
+    out["repeats"] = [{k: r[k] for k in KEY_FIGURES} for r in reps]
+    return out
+
+
 async def run(args: argparse.Namespace) -> None:
     model_dir = resolve_model(args.model or ("tiny" if args.quick else None))
     setups = SETUPS if "all" in args.setup else args.setup
@@ -481,39 +517,38 @@ async def run(args: argparse.Namespace) -> None:
     stored = load_results(out_path)
     started = time.monotonic()
     load_start = os.getloadavg()
-    for setup in setups:
-        if args.url:
-            server: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
-        else:
-            server = serve(setup, model_dir, args)
-        async with server as proc:
-            url = args.url or proc.url
-            target = await target_of(url, model_dir)
+    reps: dict[str, list[dict[str, Any]]] = {}
+    procs: list[Proc] = []
+    try:
+        apis: dict[str, str] = {}
+        for setup in setups:
+            if args.url:
+                apis[setup] = args.url
+            else:
+                api, started_procs = launch(setup, model_dir, args)
+                procs += started_procs
+                apis[setup] = api.url
+        # Every setup starts at once (vLLM compiles for minutes) and stays up, idle, while
+        # the others run: the setups then take turns on each workload, so drift in the load
+        # of this shared machine falls on all of them alike.
+        await asyncio.gather(*(wait_healthy(p, 900) for p in procs))
+        targets = {setup: await target_of(url, model_dir) for setup, url in apis.items()}
+        for target in targets.values():
             await warm_up(target, args.quick)
+        for rep in range(args.repeat):
             for wl in workloads:
-                console.print(
-                    f"[bold]{setup}[/] {wl.name}: {len(wl.requests)} requests, {wl.description}"
-                )
-                kv_before = await metric(url, "edgeinfer_kv_transfer_bytes_total", "received")
-                t = time.monotonic()
-                results, lag = await drive(target, wl)
-                summary = summarize(wl, results, lag)
-                summary["kv_bytes_received"] = (
-                    await metric(url, "edgeinfer_kv_transfer_bytes_total", "received") - kv_before
-                )
-                summary.update(setup=setup, workload=wl.name, description=wl.description,
-                               offered_req_s=wl.offered_rate, loadavg=os.getloadavg(),
-                               wall_s=time.monotonic() - t)  # fmt: skip
-                stored["runs"][f"{wl.name}/{setup}"] = summary
-                console.print(
-                    f"  {summary['wall_s']:.0f}s, {summary['output_tok_s']:.1f} tok/s, TTFT p50 "
-                    f"{fmt(summary['ttft_p50_s'])}s, ITL p99 {fmt(summary['itl_p99_s'], 1e3, 0)}ms"
-                    + (
-                        f", {summary['failed']} failed: {summary['errors']}"
-                        if summary["failed"]
-                        else ""
+                for setup, target in targets.items():
+                    console.print(
+                        f"[bold]{setup}[/] {wl.name} ({rep + 1}/{args.repeat}): "
+                        f"{len(wl.requests)} requests, {wl.description}"
                     )
-                )
+                    summary = await measure(target, wl)
+                    summary["setup"] = setup
+                    reps.setdefault(f"{wl.name}/{setup}", []).append(summary)
+    finally:
+        for proc in procs:
+            proc.stop()
+    stored["runs"].update({key: combine(rs) for key, rs in reps.items()})
     runs = dict(sorted(stored["runs"].items(), key=lambda kv: (
         WORKLOADS.index(kv[1]["workload"]), SETUPS.index(kv[1]["setup"]))))  # fmt: skip
     comps = comparisons(runs)
@@ -580,6 +615,7 @@ def main() -> None:
     p.add_argument("--slo-ttft-s", type=float, help="override every workload's TTFT SLO")
     p.add_argument("--slo-itl-ms", type=float, help="override every workload's p99 ITL SLO")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="runs of each workload (medians kept)")
     p.add_argument("--out", type=Path, help="results JSON (default bench/results/serving.json)")
     args = p.parse_args()
     bad = set(args.setup) - {*SETUPS, "all"}

@@ -27,7 +27,12 @@ from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
 
 GEOIP_DB = Path(__file__).parent / "data" / "geoip" / "GeoIP2-City-Test.mmdb"
 # Test-DB addresses, one continent each; Linköping is nearer London than any other PoP.
-LONDON, LINKOPING, MILTON, CHANGCHUN = "81.2.69.160", "89.160.20.112", "216.160.83.56", "175.16.199.0"
+LONDON, LINKOPING, MILTON, CHANGCHUN = (
+    "81.2.69.160",
+    "89.160.20.112",
+    "216.160.83.56",
+    "175.16.199.0",
+)
 POPS = {"lhr": (51.5142, -0.0931), "sea": (47.2513, -122.3149), "cgq": (43.88, 125.3228)}
 # Router and decode daemon agree: prompts over this many tokens go to a prefill daemon.
 LOCAL_PREFILL_MAX = 16

@@ -39,6 +39,7 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from edgeinfer.ctl.cluster import cluster
     from edgeinfer.ctl.compress import compress, decompress
     from edgeinfer.ctl.drain import drain, undrain
     from edgeinfer.ctl.status import status
@@ -48,6 +49,7 @@ def _register() -> None:
     cli.add_command(status)
     cli.add_command(drain)
     cli.add_command(undrain)
+    cli.add_command(cluster)
 
 
 _register()

@@ -131,8 +131,14 @@ async def get_pop(request: web.Request) -> web.StreamResponse:
     now = time.monotonic()
     body = _pop_json(proxy, name, proxy.registry.snapshot(now), now)
     # Other routers' streams count too: ask the daemons themselves how many they still serve.
+    # A prefill daemon's work for decode daemons elsewhere is in transfers_in_flight, not in
+    # in_flight; a route withdrawn under it would cut those transfers off.
     states = await _call_daemons(request, [d["url"] for d in body["daemons"]], "GET", "/v1/state")
-    reported = sum(int(s.get("in_flight") or 0) for s in states.values() if isinstance(s, dict))
+    reported = sum(
+        int(s.get("in_flight") or 0) + int(s.get("transfers_in_flight") or 0)
+        for s in states.values()
+        if isinstance(s, dict)
+    )
     body["in_flight"] = max(body["in_flight"], reported)
     return _json(body)
 

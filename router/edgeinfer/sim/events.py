@@ -16,7 +16,7 @@ import heapq
 import numpy as np
 
 # Event kinds; a, b, c are ints/floats whose meaning depends on the kind.
-STEP_END = 1  # a: engine, b: engine epoch (stale after a failure), c: step seconds
+STEP_END = 1  # a: engine, b: its step id (a cut or a failure voids older ones)
 AT_DECODE = 2  # a: request reaches its decode engine
 AT_PREFILL = 3  # a: request's prefill job reaches its prefill engine
 KV_ARRIVED = 4  # a: request's KV pages are all at its decode engine

@@ -24,6 +24,7 @@ from edgeinfer.router.geo import GeoPoint
 from edgeinfer.router.network import NetworkModel, unit_vectors
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.selector import PlacementConfig, RequestFeatures, select
+from edgeinfer.sim import SimError
 
 Choice = tuple[str, str | None]
 # Which engines each policy is compared on: the GPU split ("split") or all colocated ("both").
@@ -169,6 +170,10 @@ class RoundRobinPolicy(_Baseline):
 def make_policy(name: str, net: NetworkModel, cfg: PlacementConfig, seed: int) -> Policy:
     if name in ("router", "colocated"):
         return SelectorPolicy(name, net, cfg, seed)
-    kinds = {"nearest": NearestPolicy, "least-loaded": LeastLoadedPolicy,
-             "round-robin": RoundRobinPolicy}  # fmt: skip
-    return kinds[name](name, cfg, seed)
+    if name == "nearest":
+        return NearestPolicy(name, cfg, seed)
+    if name == "least-loaded":
+        return LeastLoadedPolicy(name, cfg, seed)
+    if name == "round-robin":
+        return RoundRobinPolicy(name, cfg, seed)
+    raise SimError(f"unknown policy {name!r}; known: {', '.join(POLICY_TOPOLOGY)}")

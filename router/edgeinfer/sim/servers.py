@@ -2,6 +2,8 @@
 
 Each step decodes one token for every running sequence and computes up to the token budget of
 queued prompt chunks (FIFO), as the real scheduler does; its duration comes from the profile.
+Steps that only decode are identical but for one more context token per sequence, so a run of
+them up to the next finisher is one event; anything joining cuts the run at the step boundary.
 A request is admitted (FIFO, head-of-line) when its prompt + output fits in free KV blocks and a
 sequence slot is free; it then holds the blocks until it finishes. Decode progress is one
 counter per engine: a sequence joining at count c with n tokens to go finishes at c + n, kept in
@@ -14,6 +16,7 @@ so a job computed here for another engine is handed back to the simulator.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from typing import Protocol
 
@@ -37,10 +40,10 @@ class Simulated(Protocol):
 
 class Engine:
     __slots__ = (
-        "alive", "block_size", "busy", "counter", "ctx_sum", "epoch", "finish", "idx", "joins",
-        "kv_free", "kv_total", "max_seqs", "n_admitted", "n_running", "pieces", "pop",
-        "prefill_q", "prof", "queued_tokens", "reqs", "role", "sim", "stats", "step_batch",
-        "url", "waiting", "window",
+        "alive", "block_size", "busy", "counter", "ctx_sum", "finish", "idx", "joins", "kv_free",
+        "kv_total", "max_seqs", "n_admitted", "n_running", "pieces", "pop", "prefill_q", "prof",
+        "queued_tokens", "reqs", "role", "sim", "stats", "step_a", "step_batch", "step_c",
+        "step_id", "step_k", "step_prefill", "step_t0", "url", "waiting", "window",
     )  # fmt: skip
 
     def __init__(
@@ -52,7 +55,7 @@ class Engine:
         self.kv_total = kv_tokens // self.block_size
         # stats: busy s, prefill part s, decode part s, prompt tokens, generated tokens
         self.stats = [0.0, 0.0, 0.0, 0.0, 0.0]
-        self.alive, self.epoch = True, 0
+        self.alive, self.step_id = True, 0
         self.reset()
 
     def reset(self) -> None:
@@ -64,11 +67,14 @@ class Engine:
         self.pieces: list[tuple[Job, int]] = []
         self.kv_free, self.n_admitted, self.n_running = self.kv_total, 0, 0
         self.counter, self.ctx_sum, self.queued_tokens, self.step_batch = 0, 0, 0, 0
-        self.busy = False
+        # The step (or run of identical decode steps) in progress: started at t0, k steps,
+        # step j lasts a + c*j, share of its time that is prefill work.
+        self.busy, self.step_t0, self.step_k, self.step_a, self.step_c = False, 0.0, 0, 0.0, 0.0
+        self.step_prefill = 0.0
         # Heartbeat window: busy s with prefill, prompt tokens, busy s with decode, generated,
         # steps with decode, and the last rates measured (kept while idle, as the daemon does).
         self.window = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-        self.epoch += 1  # step events of the old state are void
+        self.step_id += 1  # step events of the old state are void
 
     def arrive(self, r: int, now: float) -> None:
         self.waiting.append(r)
@@ -94,12 +100,15 @@ class Engine:
         self.queued_tokens += self.reqs.prompt[job[0]] - job[1]
         if not self.busy:
             self.start_step(now)
+        else:
+            self._cut(now)
 
     def join(self, r: int, now: float) -> None:
         """Request ``r`` has its first token (its KV is here): it decodes from the next step."""
         self.reqs.first[r] = now
         if self.busy:
             self.joins.append(r)
+            self._cut(now)
         else:
             self._merge(r, now)
             self.start_step(now)
@@ -138,29 +147,61 @@ class Engine:
         if not batch and not pieces:
             self.busy = False
             return
-        decode_s = prof.decode_s(batch, self.ctx_sum) if batch else 0.0
-        step = prof.fixed_s(batch > 0, bool(pieces)) + decode_s + prefill_s
-        self.busy, self.pieces, self.step_batch = True, pieces, batch
-        st, w = self.stats, self.window
-        st[0] += step
-        # The fixed cost goes to whichever stage is present; a mixed step splits it by work.
-        work = decode_s + prefill_s
-        st[1] += step * (prefill_s / work if work > 0 else 0.0)
-        st[2] += step * (decode_s / work if work > 0 else 1.0)
+        self.busy, self.pieces, self.step_batch, self.step_t0 = True, pieces, batch, now
         if pieces:
-            w[0] += step
-        if batch:
-            w[2] += step
-            w[4] += 1
-        self.sim.push(now + step, STEP_END, self.idx, self.epoch, step)
+            decode_s = prof.decode_s(batch, self.ctx_sum) if batch else 0.0
+            fixed = prof.fixed_s(batch > 0, True)
+            self.step_k, self.step_a, self.step_c = 1, fixed + decode_s + prefill_s, 0.0
+            self.step_prefill = prefill_s / (decode_s + prefill_s) if decode_s + prefill_s else 1
+        else:
+            # Pure decode: every step until the next finisher is the same batch, one context
+            # token longer per sequence each time, so the run is one event (an arithmetic sum).
+            self.step_k = self.finish[0][0] - self.counter
+            self.step_a = prof.decode_fixed_s + prof.decode_s(batch, self.ctx_sum)
+            self.step_c = prof.decode_context_token_s * batch
+            self.step_prefill = 0.0
+        self._schedule()
+
+    def _run_s(self, k: int) -> float:
+        """Duration of the first ``k`` steps of the current run."""
+        return k * self.step_a + self.step_c * k * (k - 1) / 2
+
+    def _schedule(self) -> None:
+        self.step_id += 1
+        end = self.step_t0 + self._run_s(self.step_k)
+        self.sim.push(end, STEP_END, self.idx, self.step_id, 0.0)
+
+    def _cut(self, now: float) -> None:
+        """Something joins: end the run of decode steps at the step in progress, so it is
+        taken at the next step boundary as continuous batching does."""
+        if self.step_k <= 1:
+            return
+        dt, a, c = now - self.step_t0, self.step_a, self.step_c
+        # Steps completed by now: the largest j with a*j + c*j*(j-1)/2 <= dt.
+        j = (
+            int(dt / a)
+            if c == 0
+            else int((-(a - c / 2) + math.sqrt((a - c / 2) ** 2 + 2 * c * dt)) / c)
+        )
+        if j + 1 < self.step_k:
+            self.step_k = j + 1
+            self._schedule()
 
     def step_end(self, now: float) -> None:
-        batch, w = self.step_batch, self.window
+        batch, k, w, st = self.step_batch, self.step_k, self.window, self.stats
+        run = now - self.step_t0
+        st[0] += run
+        st[1] += run * self.step_prefill
+        st[2] += run * (1 - self.step_prefill)
+        if self.pieces:
+            w[0] += run
         if batch:
-            self.counter += 1
-            self.ctx_sum += batch
-            w[3] += batch
-            self.stats[4] += batch
+            self.counter += k
+            self.ctx_sum += batch * k
+            w[2] += run
+            w[3] += batch * k
+            w[4] += k
+            st[4] += batch * k
             heap, counter, reqs = self.finish, self.counter, self.reqs
             while heap and heap[0][0] <= counter:
                 r = heapq.heappop(heap)[1]
@@ -172,7 +213,7 @@ class Engine:
             job[1] += n
             self.queued_tokens -= n
             w[1] += n
-            self.stats[3] += n
+            st[3] += n
             r = job[0]
             if job[1] >= prompt[r]:
                 self.prefill_q.popleft()  # chunks are taken in order: a finished job is first
@@ -200,4 +241,3 @@ class Engine:
         w[0] = w[1] = w[2] = w[3] = w[4] = 0.0
         running = self.n_running + min(len(self.prefill_q), self.max_seqs)
         return running, len(self.waiting), w[5], w[6], itl
-

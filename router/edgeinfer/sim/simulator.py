@@ -20,20 +20,30 @@ import numpy as np
 from edgeinfer.router.network import NetworkModel, PopGeometry, unit_vectors
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry
 from edgeinfer.router.selector import RequestFeatures
-from edgeinfer.shared.heartbeat import Heartbeat
 from edgeinfer.sim import SimError
 from edgeinfer.sim.events import (
-    AT_DECODE, AT_PREFILL, BUCKET, DONE, FAILED, HEARTBEAT, KV_ARRIVED, PENDING, POP_DRAIN,
-    POP_FAIL, POP_RECOVER, REJECTED, STEP_END, EventQueue, Requests,
-)  # fmt: skip
+    AT_DECODE,
+    AT_PREFILL,
+    BUCKET,
+    DONE,
+    HEARTBEAT,
+    KV_ARRIVED,
+    PENDING,
+    POP_DRAIN,
+    POP_FAIL,
+    POP_RECOVER,
+    REJECTED,
+    STEP_END,
+    EventQueue,
+    Requests,
+)
+from edgeinfer.sim.fleet import CLOCK0, MODEL, heartbeat, outage, warm_rates
 from edgeinfer.sim.policies import Policy
 from edgeinfer.sim.profile import EngineProfile
 from edgeinfer.sim.servers import Engine, Job
 from edgeinfer.sim.topology import Topology
 from edgeinfer.sim.workload import Workload
 
-MODEL = "sim-model"
-CLOCK0 = 1_000.0  # registry clock at simulated t=0 (any positive origin works)
 ROLES = ("prefill", "decode", "both")
 
 
@@ -49,7 +59,10 @@ class Outage:
 class SimConfig:
     seed: int = 0
     heartbeat_interval_s: float = 5.0
-    net: NetworkModel = NetworkModel()
+    # Heartbeat phases are rounded to this: the router's arrays are rebuilt once per slot, not
+    # per heartbeat (<= 1% of a period of extra staleness; 20x fewer rebuilds at 1000 daemons).
+    heartbeat_slot_s: float = 0.05
+    net: NetworkModel = dataclasses.field(default_factory=NetworkModel)
     jitter_sigma: float = 0.15  # log-normal sigma of RTT / floor
     intra_pop_gbps: float = 100.0  # P -> D inside one PoP
     kv_tokens_per_gpu: int = 300_000  # ~40 GB of bf16 Llama-3-8B KV
@@ -73,6 +86,7 @@ class SimResult:
     received: dict[str, int]  # requests whose decode engine was in each PoP
     sim_end_s: float
     wall_s: float
+    cpu_s: float  # this process's CPU time: the speed measure on a shared host
 
 
 class Simulation:
@@ -148,13 +162,16 @@ class Simulation:
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> SimResult:
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         q, engines, cfg = self.q, self.engines, self.cfg
         self.last_arrival = float(self.work.t[-1])
         rng = np.random.default_rng(cfg.seed + 1)
-        for e, phase in zip(engines, rng.uniform(0, cfg.heartbeat_interval_s, len(engines))):
+        phases = rng.uniform(0, cfg.heartbeat_interval_s, len(engines))
+        slot = cfg.heartbeat_slot_s
+        for e, phase in zip(engines, phases.tolist()):
+            warm_rates(self, e)
             self._heartbeat(e, 0.0)  # a warm start: every daemon has spoken once
-            q.push(float(phase), HEARTBEAT, e.idx)
+            q.push(round(phase / slot) * slot if slot > 0 else phase, HEARTBEAT, e.idx)
         index = {p.name: i for i, p in enumerate(self.topo.pops)}
         for o in cfg.outages:
             if o.pop not in index or o.kind not in ("fail", "drain"):
@@ -177,7 +194,7 @@ class Simulation:
             t, _, kind, a, b, _c = pop()
             if kind == STEP_END:
                 e = engines[a]
-                if e.epoch == b and e.alive:
+                if e.step_id == b and e.alive:
                     e.step_end(t)
             elif kind == AT_DECODE:
                 self._at_decode(a, t)
@@ -197,7 +214,7 @@ class Simulation:
                     q.push(t + cfg.bucket_s, BUCKET)
             else:
                 self._outage(kind, a, b, t)
-        return self._result(t, time.perf_counter() - wall)
+        return self._result(t, time.perf_counter() - wall, time.process_time() - cpu)
 
     def _arrive(self, r: int, now: float) -> None:
         reqs, work = self.reqs, self.work
@@ -239,11 +256,55 @@ class Simulation:
         if p.alive:
             p.enqueue([r, 0, d], now)
         else:
-            self._fallback(r, now)
+            self.fallback(r, now)
 
-    def _fallback(self, r: int, now: float) -> None:
+    def fallback(self, r: int, now: float) -> None:
         """The prefill peer is gone: the decode daemon prefills itself (the daemon's fallback)."""
         self.counters["prefill_fallbacks"] += 1
         d = self.reqs.decode[r]
         self.reqs.prefill[r] = -1
         self.engines[d].enqueue([r, 0, d], now)
+
+    def _heartbeat(self, e: Engine, now: float) -> None:
+        heartbeat(self, e, now)
+
+    def _outage(self, kind: int, pop: int, on: int, now: float) -> None:
+        outage(self, kind, pop, on, now)
+
+    def _bucket(self) -> None:
+        busy = dict.fromkeys(ROLES, 0.0)
+        for e in self.engines:
+            busy[e.role] += e.stats[0]
+        for role in ROLES:
+            count = self._role_count[role]
+            frac = (
+                (busy[role] - self._busy_mark[role]) / (count * self.cfg.bucket_s) if count else 0.0
+            )
+            self.buckets[role].append(min(frac, 1.0))
+            self._busy_mark[role] = busy[role]
+
+    def _result(self, end: float, wall: float, cpu: float) -> SimResult:
+        reqs = self.reqs.arrays()
+        pending = reqs["status"] == PENDING
+        self.counters["unfinished"] = float(pending.sum())
+        self.counters["done"] = float((reqs["status"] == DONE).sum())
+        placed = reqs["decode"][reqs["status"] != REJECTED]
+        pops = np.bincount([self.engines[d].pop for d in placed.tolist()],
+                           minlength=len(self.topo.pops))  # fmt: skip
+        engines = [
+            {"url": e.url, "pop": self.topo.pops[e.pop].name, "role": e.role, "busy_s": e.stats[0],
+             "prefill_s": e.stats[1], "decode_s": e.stats[2], "prompt_tokens": e.stats[3],
+             "generated_tokens": e.stats[4]}
+            for e in self.engines
+        ]  # fmt: skip
+        return SimResult(
+            policy=self.policy.name, workload=self.work, topology=self.topo, config=self.cfg,
+            requests=reqs, engines=engines, timeline=self.buckets, counters=self.counters,
+            received={p.name: int(c) for p, c in zip(self.topo.pops, pops.tolist())},
+            sim_end_s=end, wall_s=wall, cpu_s=cpu,
+        )  # fmt: skip
+
+
+def simulate(topo: Topology, work: Workload, policy: Policy, prof: EngineProfile,
+             cfg: SimConfig) -> SimResult:  # fmt: skip
+    return Simulation(topo, work, policy, prof, cfg).run()

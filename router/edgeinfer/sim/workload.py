@@ -86,7 +86,9 @@ SYNTHETIC_MIXES: dict[str, tuple[float, float, float, float]] = {
 }
 
 
-def synthetic(mix: str, rate: float, duration_s: float, seed: int, rag_share: float = 0.0) -> Lengths:
+def synthetic(
+    mix: str, rate: float, duration_s: float, seed: int, rag_share: float = 0.0
+) -> Lengths:
     """Poisson arrivals at ``rate``/s; ``rag_share`` of them draw RAG lengths, the rest
     ``mix``'s (so ``chat`` with ``rag_share`` 0..1 moves from chat to long-context RAG)."""
     if mix not in SYNTHETIC_MIXES or rate <= 0 or duration_s <= 0 or not 0 <= rag_share <= 1:
@@ -106,20 +108,19 @@ def synthetic(mix: str, rate: float, duration_s: float, seed: int, rag_share: fl
 
 
 def scale(lengths: Lengths, factor: float, duration_s: float, seed: int) -> Lengths:
-    """``factor`` x the trace's rate over ``duration_s``: copies shifted by random offsets
-    (modulo the trace length, so the tiling has no seam), thinned to the fractional part."""
+    """``factor`` x the trace's rate over ``duration_s``: ceil(factor) copies shifted by random
+    offsets (modulo the trace length, so the tiling has no seam), thinned to ``factor``."""
     if factor <= 0 or duration_s <= 0 or len(lengths.t) < 2:
         raise SimError(f"cannot scale {lengths.name} by {factor} over {duration_s}s")
     rng = np.random.default_rng(seed)
     period = lengths.duration_s
-    copies = max(1, math.ceil(factor * duration_s / period))
+    copies = math.ceil(factor)  # each copy brings the trace's own rate
     ts, idx = [], []
     for _ in range(copies):
         shifted = (lengths.t + rng.uniform(0, period)) % period
         for lap in range(math.ceil(duration_s / period)):
-            keep = rng.random(len(shifted)) < factor * duration_s / period / copies
             t = shifted + lap * period
-            keep &= t < duration_s
+            keep = (t < duration_s) & (rng.random(len(t)) < factor / copies)
             ts.append(t[keep])
             idx.append(np.flatnonzero(keep))
     t, i = np.concatenate(ts), np.concatenate(idx)

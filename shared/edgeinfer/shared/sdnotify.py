@@ -8,7 +8,9 @@ A message is newline-separated ``KEY=VALUE`` assignments (``READY=1``, ``STATUS=
 The watchdog is pinged from an asyncio task, on purpose: a ping proves the event loop still
 turns, so a wedged loop stops the pings and systemd restarts the service (``WatchdogSec=``).
 A failed send is logged once at debug level and otherwise ignored: a lost notification must
-never take a serving process down.
+never take a serving process down. READY=1 and STOPPING=1 wait up to a second for room in a full
+socket queue (systemd must see them); STATUS= and WATCHDOG=1 are dropped instead, so a slow
+systemd never stalls the event loop for a progress line.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 
 log = logging.getLogger(__name__)
+
+_MUST_ARRIVE_S = 1.0  # how long READY=1 / STOPPING=1 may wait for room in systemd's queue
 
 
 class Notifier:
@@ -57,19 +61,21 @@ class Notifier:
     def enabled(self) -> bool:
         return self.address is not None
 
-    def send(self, *assignments: str) -> bool:
-        """Send ``KEY=VALUE`` lines as one datagram; False when disabled or it was not sent."""
+    def send(self, *assignments: str, wait_s: float = 0.0) -> bool:
+        """Send ``KEY=VALUE`` lines as one datagram; False when disabled or it was not sent.
+
+        ``wait_s``: how long a full socket queue may hold the caller (0: drop the message).
+        """
         if self.address is None:
             return False
         message = "\n".join(assignments).encode()
         try:
             if self._sock is None:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-                # Non-blocking: the event loop sends these; a full queue drops one message.
-                sock.setblocking(False)
                 target = "\0" + self.address[1:] if self.address.startswith("@") else self.address
                 sock.connect(target)
                 self._sock = sock
+            self._sock.settimeout(wait_s)
             self._sock.send(message)
         except OSError as exc:
             if not self._warned:
@@ -80,13 +86,13 @@ class Notifier:
         return True
 
     def ready(self, status: str) -> bool:
-        return self.send("READY=1", _status(status))
+        return self.send("READY=1", _status(status), wait_s=_MUST_ARRIVE_S)
 
     def status(self, text: str) -> bool:
         return self.send(_status(text))
 
     def stopping(self, status: str) -> bool:
-        return self.send("STOPPING=1", _status(status))
+        return self.send("STOPPING=1", _status(status), wait_s=_MUST_ARRIVE_S)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -132,6 +132,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self.engine.check_health()  # a dead worker rank fails the engine, even idle
                 self._run_commands()
                 if self.engine.has_unfinished_requests():
                     self._step()

@@ -35,6 +35,10 @@ class EngineConfig:
     show_progress: bool | None = None  # None: only on a terminal
     num_threads: int | None = None  # torch intra-op threads on the CPU
     compressed_weights: CompressedWeights = "decompress_at_load"
+    # tensor_parallel x pipeline_parallel ranks, one process (and GPU) each; see
+    # engine/parallel. Above 1 x 1, kv_cache_bytes is each rank's budget.
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -46,6 +50,9 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= block_size ({self.block_size}), "
                 f"got {self.max_num_batched_tokens}"
             )
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1:
+                raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("auto", *_DTYPES):
             raise EngineError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.compressed_weights not in ("decompress_at_load", "per_layer"):

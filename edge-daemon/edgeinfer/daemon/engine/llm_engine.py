@@ -29,6 +29,7 @@ from edgeinfer.daemon.engine.errors import EngineError, InvalidRequestError
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.model_runner import ModelRunner
 from edgeinfer.daemon.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from edgeinfer.daemon.engine.parallel.executor import ParallelExecutor
 from edgeinfer.daemon.engine.request_state import RequestState
 from edgeinfer.daemon.engine.sampler import Sampler, SamplingState
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
@@ -60,7 +61,11 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model, show_progress=config.show_progress)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.runner = ModelRunner(config, self.model_config, self.model_dir)
+        self.runner: ModelRunner | ParallelExecutor
+        if config.tensor_parallel * config.pipeline_parallel > 1:
+            self.runner = ParallelExecutor(config, self.model_config, self.model_dir)
+        else:
+            self.runner = ModelRunner(config, self.model_config, self.model_dir)
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
@@ -156,6 +161,10 @@ class LLMEngine:
         if req is None:
             return None
         return self._finish(req, FinishReason.ABORT, None, RequestOutput(request_id))
+
+    def check_health(self) -> None:
+        """Raise :class:`EngineError` when steps can no longer run (a worker rank died)."""
+        self.runner.check_health()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()

@@ -84,6 +84,9 @@ class ModelRunner:
             )
         return model.eval()
 
+    def check_health(self) -> None:
+        """Nothing to check: a single-process runner has no worker that could die."""
+
     # ---- one step -------------------------------------------------------------------
     def prepare(
         self, batch: ScheduledBatch

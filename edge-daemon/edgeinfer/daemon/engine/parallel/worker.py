@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 # | ("stop",): what rank 0 broadcasts; every rank then runs its part of it.
 Command = tuple[Any, ...]
 
+# Building a model on the meta device imports torch's reference ops on first use: seconds.
+_PRELOAD = ("torch._refs",)
 _POLL_S = 0.1
 _STOP_GRACE_S = 5.0
 
@@ -102,7 +104,11 @@ class WorkerPool:
         self.store = store
         self.failure: str | None = None
         self._closing = False
-        ctx = multiprocessing.get_context("spawn")
+        # forkserver: one server imports torch and this module once per process lifetime, and
+        # every worker forks from it (no CUDA or threads there, unlike this process). Spawning
+        # would pay the torch import again for each worker of each engine.
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__, *_PRELOAD])
         self.procs = [
             ctx.Process(target=worker_main, args=(spec, r), name=f"edgeinfer-rank{r}", daemon=True)
             for r in range(1, spec.layout.world_size)

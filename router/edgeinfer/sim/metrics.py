@@ -1,0 +1,108 @@
+"""From simulated requests to what an operator reads: latency, goodput, utilisation, bytes.
+
+TTFT is client-side: request out, first token back (both network legs included). ITL is the
+mean gap between a request's tokens at its decode engine (the network adds the same delay to
+every token, so gaps are the same at the client). Goodput is requests per second of the arrival
+window that finished within both SLOs; failed, rejected and unfinished requests count against
+it, which is the point of measuring goodput rather than throughput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from edgeinfer.sim.events import DONE, FAILED, REJECTED
+from edgeinfer.sim.simulator import SimResult
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slo:
+    ttft_s: float = 1.0
+    itl_s: float = 0.05
+
+
+def latencies(res: SimResult) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TTFT and ITL of every request (NaN where it did not finish), and the done mask."""
+    r, w = res.requests, res.workload
+    done = r["status"] == DONE
+    ttft = np.where(done, r["first"] + r["net"] / 2 - w.t, np.nan)
+    gaps = np.maximum(w.output - 1, 1)
+    itl = np.where(done, np.where(w.output > 1, (r["last"] - r["first"]) / gaps, 0.0), np.nan)
+    return ttft, itl, done
+
+
+def _pcts(x: np.ndarray) -> dict[str, float]:
+    x = x[~np.isnan(x)]
+    if not len(x):
+        return {f"p{p}": float("nan") for p in PERCENTILES} | {"mean": float("nan")}
+    return {f"p{p}": float(np.percentile(x, p)) for p in PERCENTILES} | {"mean": float(x.mean())}
+
+
+def summary(res: SimResult, slo: Slo) -> dict[str, Any]:
+    ttft, itl, done = latencies(res)
+    ok = done & (ttft <= slo.ttft_s) & (itl <= slo.itl_s)
+    n, span = len(res.workload), res.workload.span_s
+    status = res.requests["status"]
+    util = pop_utilisation(res)
+    stage = {s: float(np.mean([u[s] for u in util.values() if u[s] is not None] or [0.0]))
+             for s in ("prefill", "decode")}  # fmt: skip
+    return {
+        "policy": res.policy,
+        "workload": res.workload.name,
+        "requests": n,
+        "pops": len(res.topology.pops),
+        "gpus": res.topology.gpus,
+        "span_s": span,
+        "offered_rps": n / span,
+        "goodput_rps": float(ok.sum()) / span,
+        "slo_attainment": float(ok.mean()),
+        "slo": dataclasses.asdict(slo),
+        "ttft_s": _pcts(ttft),
+        "itl_s": _pcts(itl),
+        "done": int(done.sum()),
+        "failed": int((status == FAILED).sum()),
+        "rejected": int((status == REJECTED).sum()),
+        "counters": dict(res.counters),
+        "kv_gb_cross_pop": res.counters["kv_bytes_cross_pop"] / 1e9,
+        "mean_utilisation": stage,
+        "sim_s": res.sim_end_s,
+        "wall_s": res.wall_s,
+        "cpu_s": res.cpu_s,
+        "requests_per_cpu_s": n / res.cpu_s if res.cpu_s > 0 else float("inf"),
+    }
+
+
+def pop_utilisation(res: SimResult) -> dict[str, dict[str, float | None]]:
+    """Per PoP and stage: busy GPU-seconds of that stage over the GPU-seconds able to do it
+    (``both`` engines count towards both stages, each with its own share of the work)."""
+    span = max(res.sim_end_s, 1e-9)
+    busy: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in res.engines:
+        pop, role = str(e["pop"]), str(e["role"])
+        b = busy[pop]
+        for stage, key in (("prefill", "prefill_s"), ("decode", "decode_s")):
+            if role in (stage, "both"):
+                b[stage] += float(e[key])  # type: ignore[arg-type]
+                b[f"{stage}_gpus"] += 1
+    out: dict[str, dict[str, float | None]] = {}
+    for pop, b in busy.items():
+        gpus = {s: b[f"{s}_gpus"] for s in ("prefill", "decode")}
+        out[pop] = {s: b[s] / (g * span) if g else None for s, g in gpus.items()}
+    return out
+
+
+def cdf(x: np.ndarray, points: int = 200) -> tuple[list[float], list[float]]:
+    """A CDF thinned to ``points`` steps (for JSON and plots); unfinished requests are the
+    part of the curve that never reaches 1."""
+    total = len(x)
+    x = np.sort(x[~np.isnan(x)])
+    if not len(x):
+        return [], []
+    idx = np.unique(np.linspace(0, len(x) - 1, min(points, len(x))).astype(int))
+    return x[idx].tolist(), ((idx + 1) / total).tolist()
