@@ -35,3 +35,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Three PoPs in network namespaces behind delayed links (needs root and iproute2, else skips).
+.PHONY: netns-test
+netns-test: $(STAMP)
+	$(PY) -m pytest -v -s tests/test_netns.py

@@ -51,6 +51,8 @@ class Sizes:
     """Request counts and length ranges; the quick smoke run shrinks all of them."""
 
     long_n: int
+    # At least the decode daemon's default local-prefill threshold (512), so that under pd
+    # every long prompt is prefilled on the prefill core.
     long_prompt: tuple[int, int]
     long_output: tuple[int, int]
     chat_n: int
@@ -65,7 +67,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    long_n=20, long_prompt=(384, 1024), long_output=(64, 160),
+    long_n=16, long_prompt=(512, 1024), long_output=(64, 160),
     chat_n=30, chat_prompt=(16, 256), chat_output=(16, 160),
     azure_n=30, azure_max_prompt=2048, azure_max_output=256,
     closed_n=24, closed_prompt=(64, 384), closed_output=(64, 160),

@@ -70,6 +70,8 @@ class DaemonConfig:
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     num_threads: int | None = EngineConfig.num_threads
     compressed_weights: CompressedWeights = EngineConfig.compressed_weights
+    tensor_parallel: int = EngineConfig.tensor_parallel  # worker processes: tp x pp ranks
+    pipeline_parallel: int = EngineConfig.pipeline_parallel
 
     def __post_init__(self) -> None:
         for name in ("port", "kv_port", "heartbeat_port"):
@@ -147,6 +149,8 @@ class DaemonConfig:
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_threads=self.num_threads,
                 compressed_weights=self.compressed_weights,
+                tensor_parallel=self.tensor_parallel,
+                pipeline_parallel=self.pipeline_parallel,
                 # A daemon logs; a progress bar in its journal is noise.
                 show_progress=False,
             )

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from edgeinfer.daemon.app import DaemonError, build_app
 from edgeinfer.daemon.config import DaemonConfig, load_daemon_config
-from edgeinfer.daemon.lifecycle import drain, wait_loaded
+from edgeinfer.daemon.lifecycle import drain, first_of, wait_loaded
 from edgeinfer.daemon.state import STATE_KEY, Phase
 from edgeinfer.shared.errors import ConfigError
 from edgeinfer.shared.logs import configure_logging
@@ -39,6 +39,7 @@ EXIT_RUNTIME = 1
 EXIT_CONFIG = 2
 
 _SHUTDOWN_GRACE_S = 2.0
+_ENGINE_CHECK_S = 1.0
 
 
 async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> None:
@@ -77,7 +78,13 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
                 raise DaemonError(f"cannot load model {config.model_name!r}: {state.load_error}")
             where = f"{config.host}:{config.port}"
             notifier.ready(f"serving {config.model_name} on {where} (role {config.role})")
-            await stop.wait()
+            # A dead engine (a crashed step, a dead worker rank) ends the daemon non-zero
+            # instead of leaving it up with /health at 503.
+            while not stop.is_set() and state.phase is not Phase.FAILED:
+                await first_of(stop, timeout=_ENGINE_CHECK_S)
+            if not stop.is_set():
+                error = state.engine.fatal_error if state.engine is not None else None
+                raise DaemonError(f"the engine failed: {error}")
             await drain(state, config, notifier)
     finally:
         await runner.cleanup()
@@ -113,6 +120,8 @@ def _fail(message: str, code: int) -> NoReturn:
     type=int,
     help="Prompts shorter than this (tokens) are prefilled locally.",
 )
+@click.option("--tensor-parallel", type=int, help="Ranks each layer is split across.")
+@click.option("--pipeline-parallel", type=int, help="Pipeline stages (contiguous layers).")
 @click.option("--pop", help="Name of this point of presence.")
 @click.option("--log-level", help="debug | info | warning | error")
 @click.option("--log-format", help="text | kv | json (one line per event)")

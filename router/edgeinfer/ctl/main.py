@@ -42,6 +42,8 @@ def _register() -> None:
     from edgeinfer.ctl.cluster import cluster
     from edgeinfer.ctl.compress import compress, decompress
     from edgeinfer.ctl.drain import drain, undrain
+    from edgeinfer.ctl.plan import plan
+    from edgeinfer.ctl.sim import sim
     from edgeinfer.ctl.status import status
 
     cli.add_command(compress)
@@ -49,6 +51,8 @@ def _register() -> None:
     cli.add_command(status)
     cli.add_command(drain)
     cli.add_command(undrain)
+    cli.add_command(sim)
+    cli.add_command(plan)
     cli.add_command(cluster)
 
 

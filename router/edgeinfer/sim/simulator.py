@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from edgeinfer.router.network import NetworkModel, PopGeometry, unit_vectors
+from edgeinfer.router.network import PopGeometry, unit_vectors
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry
 from edgeinfer.router.selector import RequestFeatures
 from edgeinfer.sim import SimError
@@ -36,6 +36,7 @@ from edgeinfer.sim.events import (
     STEP_END,
     EventQueue,
     Requests,
+    SimConfig,
 )
 from edgeinfer.sim.fleet import CLOCK0, MODEL, heartbeat, outage, warm_rates
 from edgeinfer.sim.policies import Policy
@@ -47,32 +48,6 @@ from edgeinfer.sim.workload import Workload
 ROLES = ("prefill", "decode", "both")
 
 
-@dataclasses.dataclass(frozen=True)
-class Outage:
-    pop: str
-    start_s: float
-    end_s: float | None = None  # None: to the end
-    kind: str = "fail"  # "fail": power off, in-flight work is lost; "drain": admin drain
-
-
-@dataclasses.dataclass(frozen=True)
-class SimConfig:
-    seed: int = 0
-    heartbeat_interval_s: float = 5.0
-    # Heartbeat phases are rounded to this: the router's arrays are rebuilt once per slot, not
-    # per heartbeat (<= 1% of a period of extra staleness; 20x fewer rebuilds at 1000 daemons).
-    heartbeat_slot_s: float = 0.05
-    net: NetworkModel = dataclasses.field(default_factory=NetworkModel)
-    jitter_sigma: float = 0.15  # log-normal sigma of RTT / floor
-    intra_pop_gbps: float = 100.0  # P -> D inside one PoP
-    kv_tokens_per_gpu: int = 300_000  # ~40 GB of bf16 Llama-3-8B KV
-    max_seqs: int = 128
-    connect_timeout_s: float = 0.5  # what a placement on a dead daemon costs before the next
-    outages: tuple[Outage, ...] = ()
-    bucket_s: float = 60.0  # utilisation timeline resolution
-    drain_limit_s: float = 600.0  # after the last arrival, stop waiting for stragglers
-
-
 @dataclasses.dataclass
 class SimResult:
     policy: str
@@ -81,7 +56,7 @@ class SimResult:
     config: SimConfig
     requests: dict[str, np.ndarray]
     engines: list[dict[str, object]]  # url, pop, role, busy_s, prefill_s, decode_s, tokens
-    timeline: dict[str, list[float]]  # per role: busy fraction per bucket
+    timeline: dict[str, list[float]]  # per 'role region': busy fraction per bucket
     counters: dict[str, float]
     received: dict[str, int]  # requests whose decode engine was in each PoP
     sim_end_s: float
@@ -126,9 +101,11 @@ class Simulation:
         self.counters = dict.fromkeys(
             ("failed_in_flight", "rejected", "connect_failures", "prefill_fallbacks",
              "kv_bytes_cross_pop", "kv_bytes_intra_pop", "remote_prefills"), 0.0)  # fmt: skip
-        self.buckets: dict[str, list[float]] = {r: [] for r in ROLES}
-        self._busy_mark = dict.fromkeys(ROLES, 0.0)
-        self._role_count = {r: sum(e.role == r for e in self.engines) for r in ROLES}
+        # Utilisation timeline per "role region" (e.g. "decode eu"): the sun moves per region.
+        self._group = [f"{e.role} {topo.pops[e.pop].region}" for e in self.engines]
+        self._group_count = {g: self._group.count(g) for g in dict.fromkeys(self._group)}
+        self.buckets: dict[str, list[float]] = {g: [] for g in self._group_count}
+        self._busy_mark = dict.fromkeys(self._group_count, 0.0)
         kv = prof.kv_bytes_per_token
         self.kv_s_inter = kv / cfg.net.inter_pop_bytes_per_s
         self.kv_s_intra = kv / (cfg.intra_pop_gbps * 1e9 / 8)
@@ -272,16 +249,13 @@ class Simulation:
         outage(self, kind, pop, on, now)
 
     def _bucket(self) -> None:
-        busy = dict.fromkeys(ROLES, 0.0)
-        for e in self.engines:
-            busy[e.role] += e.stats[0]
-        for role in ROLES:
-            count = self._role_count[role]
-            frac = (
-                (busy[role] - self._busy_mark[role]) / (count * self.cfg.bucket_s) if count else 0.0
-            )
-            self.buckets[role].append(min(frac, 1.0))
-            self._busy_mark[role] = busy[role]
+        busy = dict.fromkeys(self._group_count, 0.0)
+        for e, g in zip(self.engines, self._group):
+            busy[g] += e.stats[0]
+        for g, count in self._group_count.items():
+            frac = (busy[g] - self._busy_mark[g]) / (count * self.cfg.bucket_s)
+            self.buckets[g].append(min(frac, 1.0))
+            self._busy_mark[g] = busy[g]
 
     def _result(self, end: float, wall: float, cpu: float) -> SimResult:
         reqs = self.reqs.arrays()

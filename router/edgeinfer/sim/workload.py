@@ -21,7 +21,8 @@ import numpy.typing as npt
 from edgeinfer.sim import SimError
 from edgeinfer.sim.topology import METROS
 
-TRACE_DIR = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "traces"
+# The traces live beside the repository (../shared/data/traces), not in it.
+TRACE_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces"
 AZURE_DIR = TRACE_DIR / "azure_llm_2023"
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -52,6 +53,8 @@ class Workload:
     region: list[str]  # per request: a key of the region mix
     name: str
     span_s: float  # the window arrivals were drawn over (goodput is per second of it)
+    start_utc_h: float = 0.0  # UTC hour at t=0
+    day_s: float = 86_400.0  # simulated seconds per day (< 86400: a compressed day)
 
     def __len__(self) -> int:
         return len(self.t)
@@ -178,4 +181,5 @@ def spread(
     lat = np.clip(lat + rng.normal(0, jitter, n), -89.0, 89.0)
     lon = (lon + rng.normal(0, jitter, n) + 180) % 360 - 180
     return Workload(lengths.t[keep], lengths.prompt[keep], lengths.output[keep], lat, lon,
-                    list(region), lengths.name, max(lengths.duration_s, 1e-9))  # fmt: skip
+                    list(region), lengths.name, max(lengths.duration_s, 1e-9), start_utc_h,
+                    day_s)  # fmt: skip

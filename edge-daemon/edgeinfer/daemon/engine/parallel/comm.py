@@ -14,6 +14,8 @@ Three groups per rank:
 from __future__ import annotations
 
 import pickle
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +31,7 @@ LOOPBACK = "127.0.0.1"
 
 
 def _gloo(store: Store, prefix: str, rank: int, size: int, timeout: timedelta) -> Any:
-    opts = ProcessGroupGloo._Options()
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from the stubs
     # Every rank runs on this machine: loopback needs no hostname resolution or NIC choice.
     opts._devices = [ProcessGroupGloo.create_device(hostname=LOOPBACK)]
     opts._timeout = timeout
@@ -46,6 +48,17 @@ def _compute_group(store: Store, prefix: str, rank: int, size: int, device: torc
     return ProcessGroupNCCL(PrefixStore(prefix, store), rank, size, opts)
 
 
+@dataclass
+class CommStats:
+    """What this rank moved in steps, and the host time it spent blocked on it (on CUDA the
+    collectives are asynchronous, so ``wait_s`` there counts launches, not transfers)."""
+
+    all_reduce_bytes: int = 0
+    all_gather_bytes: int = 0  # this rank's contribution
+    recv_bytes: int = 0  # hidden states and logits from other stages
+    wait_s: float = 0.0
+
+
 class Comm:
     """One rank's groups. Created before the weights load (the sharded modules keep a
     reference) and connected after, so a rank that fails to load is seen before any rank
@@ -59,6 +72,7 @@ class Comm:
         self.ctrl: Any = None
         self.world: Any = None
         self.tp: Any = None
+        self.stats = CommStats()
 
     def connect(self, store: Store) -> None:
         """Rendezvous with every other rank (blocks until all of them call it)."""
@@ -74,7 +88,10 @@ class Comm:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the stage's TP ranks, in place."""
         if self.tp is not None:
+            start = time.perf_counter()
             self.tp.allreduce([x]).wait()
+            self.stats.wait_s += time.perf_counter() - start
+            self.stats.all_reduce_bytes += x.numel() * x.element_size()
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -83,7 +100,10 @@ class Comm:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.layout.tp)]
+        start = time.perf_counter()
         self.tp.allgather([parts], [x]).wait()
+        self.stats.wait_s += time.perf_counter() - start
+        self.stats.all_gather_bytes += x.numel() * x.element_size()
         return torch.cat(parts, dim)
 
     # ---- pipeline parallelism (between stages) ------------------------------------------
@@ -92,7 +112,10 @@ class Comm:
         return self.world.send([x], dst, tag)
 
     def recv(self, x: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        start = time.perf_counter()
         self.world.recv([x], src, tag).wait()
+        self.stats.wait_s += time.perf_counter() - start
+        self.stats.recv_bytes += x.numel() * x.element_size()
         return x
 
     # ---- control (rank 0 to everyone) ---------------------------------------------------

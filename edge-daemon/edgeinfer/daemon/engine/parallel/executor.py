@@ -111,15 +111,23 @@ class ParallelExecutor:
         finally:
             display.close()
         self._store = store  # the workers' rendezvous: alive as long as they are
+        self._interrupted: str | None = None
         self._host = _HostBatcher(cfg.block_size)
         self.kv_cache = ShardedKVCache(self.shard, self.layout, num_blocks, self._guard)
         self._pool.watch(comm.abort)
 
     # ---- health ---------------------------------------------------------------------
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1, in rank order."""
+        return [p.pid for p in self._pool.procs if p.pid is not None]
+
     def check_health(self) -> None:
-        """Raise :class:`EngineError` once a worker rank has died."""
-        if self._pool.failure is not None:
-            raise EngineError(f"parallel engine failed: {self._pool.failure}")
+        """Raise :class:`EngineError` once a worker rank has died, or once a command failed
+        half way (the ranks may then wait in different collectives: nothing can run)."""
+        failure = self._pool.failure or self._interrupted
+        if failure is not None:
+            raise EngineError(f"parallel engine failed: {failure}")
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
@@ -128,10 +136,13 @@ class ParallelExecutor:
             yield
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its socket or timed out
             raise self._pool.failed(exc) from exc
+        except BaseException as exc:
+            self._interrupted = f"rank 0 stopped in the middle of a command: {exc!r}"
+            raise
 
     def close(self) -> None:
         """Stop every worker (the engine cannot step afterwards)."""
-        if self._pool.failure is None:
+        if self._pool.failure is None and self._interrupted is None:
             with contextlib.suppress(RuntimeError):
                 self.shard.comm.broadcast_object(("stop",))
         self._pool.close()
@@ -159,4 +170,6 @@ class ParallelExecutor:
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits ``[T, vocab]`` for every position of ``seq`` (blocks already allocated)."""
         inputs, meta, _, max_pos = self._host.prepare(ScheduledBatch([(seq, seq.num_tokens)]))
-        return self._run([MicroBatch(inputs["input_ids"], inputs["positions"], meta, None, max_pos)])
+        return self._run(
+            [MicroBatch(inputs["input_ids"], inputs["positions"], meta, None, max_pos)]
+        )

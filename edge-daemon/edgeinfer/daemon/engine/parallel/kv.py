@@ -52,7 +52,7 @@ class ShardedKVCache:
                         continue
                     rank = par.rank_of(stage, t)
                     if rank == 0:
-                        pages = shard.read_kv(block_ids, layers)
+                        pages = shard.pages(block_ids, shard.owned(layers))
                     else:
                         shape = (len(wanted), 2, n, lay.block_size, len(par.kv_heads(t, cfg)))
                         buf = torch.empty(*shape, lay.head_dim, dtype=lay.dtype)

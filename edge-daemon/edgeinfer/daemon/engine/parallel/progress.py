@@ -14,7 +14,7 @@ from torch.distributed import Store
 
 log = logging.getLogger(__name__)
 
-_TOTAL, _DONE = "load/total", "load/done"
+_TOTAL, _DONE, _RANKS = "load/total", "load/done", "load/ranks"
 
 
 class StoreProgress:
@@ -23,13 +23,14 @@ class StoreProgress:
 
     def start(self, num_tensors: int) -> None:
         self.store.add(_TOTAL, num_tensors)
+        self.store.add(_RANKS, 1)
 
     def tick(self) -> None:
         self.store.add(_DONE, 1)
 
-    def counts(self) -> tuple[int, int]:
-        """``(done, total so far)`` over every rank that has started."""
-        return self.store.add(_DONE, 0), self.store.add(_TOTAL, 0)
+    def counts(self) -> tuple[int, int, int]:
+        """``(done, total so far, ranks started)``: adding 0 reads a counter."""
+        return self.store.add(_DONE, 0), self.store.add(_TOTAL, 0), self.store.add(_RANKS, 0)
 
 
 class LoadDisplay(StoreProgress):
@@ -60,7 +61,9 @@ class LoadDisplay(StoreProgress):
         self.refresh()
 
     def refresh(self) -> None:
-        done, total = self.counts()
+        done, total, ranks = self.counts()
+        if ranks < self.world_size:
+            total = 0  # not every rank has counted its tensors yet
         if self._bar is not None:
             self._bar.update(self._bar.task_ids[0], completed=done, total=total or None)
         elif total and done * 4 >= total * (self._logged + 1):

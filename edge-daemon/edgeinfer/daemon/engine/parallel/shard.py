@@ -46,14 +46,14 @@ def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
 
 
 def rank_kv_layout(
-    spec_layout: ParallelLayout, rank: int, cfg: ModelConfig, block_size: int, dtype: torch.dtype
+    par: ParallelLayout, rank: int, cfg: ModelConfig, block_size: int, dtype: torch.dtype
 ) -> KVLayout:
     """The KV cache of one rank: its stage's layers, its KV heads."""
-    stage, t = spec_layout.coords(rank)
+    stage, t = par.coords(rank)
     return KVLayout(
-        num_layers=len(spec_layout.stage_layers(stage, cfg.num_layers)),
+        num_layers=len(par.stage_layers(stage, cfg.num_layers)),
         block_size=block_size,
-        num_kv_heads=len(spec_layout.kv_heads(t, cfg)),
+        num_kv_heads=len(par.kv_heads(t, cfg)),
         head_dim=cfg.head_dim,
         dtype=dtype,
     )
@@ -87,19 +87,17 @@ class ShardRunner:
         lo, hi = max(layers.start, self.layers.start), min(layers.stop, self.layers.stop)
         return range(lo - self.layers.start, max(hi, lo) - self.layers.start)
 
-    def read_kv(self, block_ids: list[int], layers: range) -> torch.Tensor | None:
-        """Pages ``[L_own, 2, n, bs, Hkv_rank, D]`` of the owned part of ``layers``; None when
-        this rank has nothing to contribute (no such layer, or a replica of another's heads)."""
-        own = self.owned(layers)
-        if not own or not self.spec.layout.kv_primary(self.tp_rank, self.spec.model):
-            return None
-        pages = self.kv_cache.read_blocks(block_ids, own)
-        return torch.stack([torch.stack(kv) for kv in pages]).cpu()
+    def pages(self, block_ids: list[int], own: range) -> torch.Tensor:
+        """Host copies ``[len(own), 2, n, bs, Hkv_rank, D]`` of local layers ``own``."""
+        kv = self.kv_cache.read_blocks(block_ids, own)
+        return torch.stack([torch.stack(pair) for pair in kv]).cpu()
 
     def send_kv(self, block_ids: list[int], layers: range) -> None:
-        pages = self.read_kv(block_ids, layers)
-        if pages is not None:
-            self.comm.ctrl_send(pages, 0, KV_TAG)
+        """Send rank 0 this rank's part of ``layers``; replicas of another rank's KV heads
+        and stages without any of those layers send nothing."""
+        own = self.owned(layers)
+        if own and self.spec.layout.kv_primary(self.tp_rank, self.spec.model):
+            self.comm.ctrl_send(self.pages(block_ids, own), 0, KV_TAG)
 
     def write_kv(self, block_ids: list[int], layer: int, kv: torch.Tensor) -> None:
         """Write this rank's head slice ``kv`` ``[2, n, bs, Hkv_rank, D]`` of global ``layer``."""

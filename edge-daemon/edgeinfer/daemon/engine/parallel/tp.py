@@ -10,13 +10,15 @@ replaced by parameter-less placeholders so they allocate nothing and load nothin
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader
 from edgeinfer.daemon.engine.errors import ModelLoadError
-from edgeinfer.daemon.engine.model import CausalLM
+from edgeinfer.daemon.engine.model import CausalLM, DecoderLayer
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.parallel.comm import Comm
 from edgeinfer.daemon.engine.parallel.layout import ParallelLayout
@@ -83,21 +85,29 @@ def build_shard(
     shard = layout.vocab_shard(cfg.vocab_size)
     with torch.device("meta"):
         model = CausalLM(layout.shard_config(t, cfg))
-        for i, layer in enumerate(model.model.layers):
+        body = model.model
+        for i, layer in enumerate(body.layers):
             if i not in layers:
-                model.model.layers[i] = nn.Identity()
+                body.layers[i] = nn.Identity()
             elif layout.tp > 1:
-                layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, comm)
-                layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, comm)
+                decoder = cast(DecoderLayer, layer)  # ModuleList items are typed Module
+                attn, mlp = decoder.self_attn, decoder.mlp
+                attn.add_module("o_proj", RowParallelLinear(attn.o_proj, comm))
+                mlp.add_module("down_proj", RowParallelLinear(mlp.down_proj, comm))
         if layout.tp > 1:
             rows = layout.vocab(t, cfg.vocab_size)
-            model.model.embed_tokens = VocabParallelEmbedding(rows, shard, cfg.hidden_size, comm)
-            model.lm_head = ParallelLMHead(shard, cfg.hidden_size, cfg.vocab_size, comm)
+            body.add_module(
+                "embed_tokens", VocabParallelEmbedding(rows, shard, cfg.hidden_size, comm)
+            )
+            model.add_module(
+                "lm_head", ParallelLMHead(shard, cfg.hidden_size, cfg.vocab_size, comm)
+            )
+        # add_module: these slots now hold other module types (or none at all on this stage).
         if not first:
-            model.model.embed_tokens = None
+            body.add_module("embed_tokens", None)
         if not last:
-            model.model.norm = None
-            model.lm_head = None
+            body.add_module("norm", None)
+            model.add_module("lm_head", None)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings and first and last:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them

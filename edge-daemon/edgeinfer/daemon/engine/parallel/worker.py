@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 # | ("stop",): what rank 0 broadcasts; every rank then runs its part of it.
 Command = tuple[Any, ...]
 
-# Building a model on the meta device imports torch's reference ops on first use: seconds.
-_PRELOAD = ("torch._refs",)
+# Building a model on the meta device imports torch._dynamo on first use (its random init
+# goes through torch._refs), which takes seconds: import it once, in the fork server.
+_PRELOAD = ("torch._dynamo",)
 _POLL_S = 0.1
 _STOP_GRACE_S = 5.0
 
