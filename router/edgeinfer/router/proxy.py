@@ -26,7 +26,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from edgeinfer.router.config import RouterConfig
-from edgeinfer.router.geo import ClientLocator
+from edgeinfer.router.geo import ClientLocator, GeoPoint
 from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.openai_api import (
     error_response,
@@ -124,8 +124,17 @@ class Proxy:
         client = self.locator.locate(ip)
         views = self.registry.snapshot(time.monotonic())
         limit = 1 + self.config.max_retries
+        here = self.registry.pop(self.config.here)
         placements = select(
-            views, client, features, self.net, self.placement, self.rng, self.config.here, limit
+            views,
+            client,
+            features,
+            self.net,
+            self.placement,
+            self.rng,
+            self.config.here,
+            limit,
+            here_point=GeoPoint(here.lat, here.lon),
         )
         if not placements:
             return no_placement(views, features)
@@ -254,8 +263,16 @@ async def _relay(
                 upstream.release()  # fully read: the pooled connection is reused
                 break
             out = framer.feed(raw) if framer else raw
+    except asyncio.CancelledError:
+        upstream.close()  # the client left, or shutdown's grace ran out: tell the daemon
+        if framer is not None:
+            # At shutdown the client is still there: end its stream with an error event
+            # rather than a cut (when the client itself left, this write simply fails).
+            with contextlib.suppress(Exception):
+                await resp.write(sse_error_event("the router is shutting down"))
+        raise
     except BaseException:
-        upstream.close()  # the client left (or we were cancelled): tell the daemon at once
+        upstream.close()
         raise
     await resp.write_eof()
     return resp

@@ -227,8 +227,10 @@ def select(
     rng: random.Random,
     here: str,
     limit: int = 3,
+    here_point: GeoPoint | None = None,
 ) -> list[Placement]:
-    """Placements for one request, best first, one per decode daemon; [] if none can take it."""
+    """Placements for one request, best first, one per decode daemon; [] if none can take it.
+    ``here_point`` locates the router's own PoP when no daemon of it is in ``views``."""
     prep = _prepared(views, net, cfg)
     model = features.model if features.model is not None else prep.default_model
     a = prep.arrays(model) if model is not None else None
@@ -239,6 +241,9 @@ def select(
     xyz = (math.cos(lat) * math.cos(lon), math.cos(lat) * math.sin(lon), math.sin(lat))
     net_s = net.rtt_floor_from_dot_s(a.d_xyz @ np.array(xyz))
     h = prep.geo.xyz_of.get(here)
+    if h is None and here_point is not None:
+        hl, hn = math.radians(here_point.lat), math.radians(here_point.lon)
+        h = (math.cos(hl) * math.cos(hn), math.cos(hl) * math.sin(hn), math.sin(hl))
     if h is not None and h[0] * xyz[0] + h[1] * xyz[1] + h[2] * xyz[2] >= prep.catchment_dot:
         net_s = np.maximum(net_s, a.d_measured)
     # Keep the D with the best network + static cost; price them exactly below.
