@@ -58,7 +58,7 @@ from serving_workloads import WORKLOADS, Request, Workload, build
 RESULTS_DIR = Path(__file__).parent / "results"
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "azure_llm_2023"
 SETUPS = ("both", "pd", "vllm")
-DEFAULT_RATES = {"long": 0.15, "chat": 0.6, "azure": 0.4}
+DEFAULT_RATES = {"long": 0.1, "chat": 0.6, "azure": 0.4}
 # (TTFT s, per-request p99 ITL s): what a reader of a streamed answer on this hardware
 # tolerates; long prompts get a longer TTFT budget because their prefill alone takes seconds.
 DEFAULT_SLO = {"long": (10.0, 0.5), "chat": (3.0, 0.5), "azure": (6.0, 0.5), "c8": (5.0, 0.5)}

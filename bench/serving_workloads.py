@@ -67,13 +67,13 @@ class Sizes:
 
 
 FULL = Sizes(
-    long_n=16, long_prompt=(512, 1024), long_output=(64, 160),
+    long_n=12, long_prompt=(512, 1024), long_output=(64, 160),
     chat_n=30, chat_prompt=(16, 256), chat_output=(16, 160),
     azure_n=30, azure_max_prompt=2048, azure_max_output=256,
     closed_n=24, closed_prompt=(64, 384), closed_output=(64, 160),
 )  # fmt: skip
 QUICK = Sizes(
-    long_n=6, long_prompt=(256, 512), long_output=(16, 32),
+    long_n=6, long_prompt=(512, 768), long_output=(16, 32),
     chat_n=6, chat_prompt=(8, 64), chat_output=(8, 32),
     azure_n=6, azure_max_prompt=512, azure_max_output=32,
     closed_n=8, closed_prompt=(16, 64), closed_output=(16, 32),

@@ -59,7 +59,11 @@ def router_config(path: Path, port: int, members: dict[str, list[Proc]], token: 
         f'geoip_db = "{GEOIP_DB}"',
         'trusted_proxies = ["127.0.0.1/32"]',
         f'admin_token_file = "{token}"',
-        "heartbeat_interval_s = 0.3",  # what cluster.daemon gives the daemons
+        # Daemons beat every 0.3 s; judging staleness against 1 s keeps a loaded CI machine's
+        # late heartbeats from dropping daemons, and a loose ITL SLO keeps placement geographic
+        # (these tests are about geography, retries and drains, not about the cost model).
+        "heartbeat_interval_s = 1.0",
+        "itl_slo_s = 5.0",
         "discovery_interval_s = 0.2",
         "rtt_probe_interval_s = 1.0",
         f"local_prefill_max_tokens = {LOCAL_PREFILL_MAX}",
