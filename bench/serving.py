@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import platform
 import random
@@ -164,7 +165,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: Request) -> 
         return res
     res.ttft_s = stamps[0] - res.start
     res.e2e_s = stamps[-1] - res.start
-    res.itl_s = list(np.diff(stamps))
+    res.itl_s = [b - a for a, b in itertools.pairwise(stamps)]
     return res
 
 
