@@ -503,6 +503,22 @@ def combine(reps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def save(
+    out_path: Path, stored: dict[str, Any], meta: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write the runs (sorted), their comparisons and this invocation's metadata."""
+    runs = dict(sorted(stored["runs"].items(), key=lambda kv: (
+        WORKLOADS.index(kv[1]["workload"]), SETUPS.index(kv[1]["setup"]))))  # fmt: skip
+    comps = comparisons(runs)
+    doc = {
+        "meta": {**stored["meta"], "last_run": {**meta, "loadavg_end": os.getloadavg()}},
+        "runs": runs,
+        "comparisons": comps,
+    }
+    out_path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
+    return runs, comps
+
+
 async def run(args: argparse.Namespace) -> None:
     model_dir = resolve_model(args.model or ("tiny" if args.quick else None))
     setups = SETUPS if "all" in args.setup else args.setup
@@ -521,7 +537,19 @@ async def run(args: argparse.Namespace) -> None:
     out_path = args.out or RESULTS_DIR / ("serving_quick.json" if args.quick else "serving.json")
     stored = load_results(out_path)
     started = time.monotonic()
-    load_start = os.getloadavg()
+    meta = {
+        "argv": sys.argv[1:],
+        "model_dir": str(model_dir),
+        "setups": list(setups),
+        "workloads": [w.name for w in workloads],
+        "seed": args.seed,
+        "cores": cores()[2],
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+    }
+    runs: dict[str, Any] = {}
+    comps: dict[str, Any] = {}
     reps: dict[str, list[dict[str, Any]]] = {}
     procs: list[Proc] = []
     try:
@@ -550,34 +578,13 @@ async def run(args: argparse.Namespace) -> None:
                     summary = await measure(target, wl)
                     summary["setup"] = setup
                     reps.setdefault(f"{wl.name}/{setup}", []).append(summary)
+                    # Saved after every run: a crash or a kill an hour in keeps what was measured.
+                    stored["runs"].update({key: combine(rs) for key, rs in reps.items()})
+                    meta["total_s"] = time.monotonic() - started
+                    runs, comps = save(out_path, stored, meta)
     finally:
         for proc in procs:
             proc.stop()
-    stored["runs"].update({key: combine(rs) for key, rs in reps.items()})
-    runs = dict(sorted(stored["runs"].items(), key=lambda kv: (
-        WORKLOADS.index(kv[1]["workload"]), SETUPS.index(kv[1]["setup"]))))  # fmt: skip
-    comps = comparisons(runs)
-    stored = {
-        "meta": {
-            **stored["meta"],
-            "last_run": {
-                "argv": sys.argv[1:],
-                "model_dir": str(model_dir),
-                "setups": list(setups),
-                "workloads": [w.name for w in workloads],
-                "seed": args.seed,
-                "cores": cores()[2],
-                "machine": platform.machine(),
-                "cpu_count": os.cpu_count(),
-                "loadavg_start": load_start,
-                "loadavg_end": os.getloadavg(),
-                "total_s": time.monotonic() - started,
-            },
-        },
-        "runs": runs,
-        "comparisons": comps,
-    }
-    out_path.write_bytes(orjson.dumps(stored, option=orjson.OPT_INDENT_2) + b"\n")
     print_tables(runs, comps)
     console.print(f"wrote {out_path}")
 

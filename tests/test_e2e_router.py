@@ -65,6 +65,10 @@ def router_config(path: Path, port: int, members: dict[str, list[Proc]], token: 
         "heartbeat_interval_s = 1.0",
         "itl_slo_s = 5.0",
         "discovery_interval_s = 0.2",
+        # All PoPs share this machine, so probe RTTs would measure load, not distance (and a
+        # daemon busy starting up would look far away): keep placement purely geographic here;
+        # tests/test_netns.py covers measured RTTs over links with real delays.
+        "catchment_km = 0.0",
         "rtt_probe_interval_s = 1.0",
         f"local_prefill_max_tokens = {LOCAL_PREFILL_MAX}",
     ]

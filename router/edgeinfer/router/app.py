@@ -90,7 +90,14 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     listener = HeartbeatListener(registry, config.heartbeat_interval_s)
     discovery = Discovery(listener, session, config.discovery_interval_s)
     prober = RttProber(registry, config.rtt_probe_interval_s)
-    app[PROXY_KEY] = Proxy(config, registry, locator, NetworkModel(), session, random.Random())
+    app[PROXY_KEY] = Proxy(
+        config,
+        registry,
+        locator,
+        NetworkModel(catchment_km=config.catchment_km),
+        session,
+        random.Random(),
+    )
     app[DISCOVERY_KEY] = discovery
     await listener.start()
     await prober.start()

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yarl
 
+from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.pop_registry import PopConfig
 from edgeinfer.router.selector import PlacementConfig
 from edgeinfer.shared.config import load_config
@@ -58,6 +59,9 @@ class RouterConfig:
     heartbeat_interval_s: float = 5.0  # what the daemons use; staleness is judged against it
     discovery_interval_s: float = 2.0  # retry period for daemons whose /v1/state did not answer
     rtt_probe_interval_s: float = 10.0
+    # Clients within this distance of `here` are priced with max(fibre floor, measured RTT);
+    # 0 turns measured RTTs off (pure geography).
+    catchment_km: float = NetworkModel.catchment_km
     # ---- operations ----
     shutdown_timeout_s: float = 30.0  # how long SIGTERM lets in-flight streams finish
     pool_limit: int = 1000  # upstream connections kept open, over all daemons

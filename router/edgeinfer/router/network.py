@@ -79,7 +79,8 @@ class NetworkModel:
         )
 
     def in_catchment(self, client: Located, here: Located) -> bool:
-        return great_circle_km(client, here) <= self.catchment_km
+        # catchment_km <= 0 switches measured RTTs off altogether.
+        return self.catchment_km > 0 and great_circle_km(client, here) <= self.catchment_km
 
     def client_rtt_s(
         self, client: Located, pop: Located, here_pop: Located, measured_rtt: float | None

@@ -125,7 +125,10 @@ class _Prepared:
     ) -> None:
         self.views, self.geo, self.cfg = list(views), geo, cfg
         # Clients whose dot product with the router's PoP exceeds this are in its catchment.
-        self.catchment_dot = math.cos(net.catchment_km / EARTH_RADIUS_KM)
+        # (> 1, so nobody, when catchment_km <= 0 switches measured RTTs off.)
+        self.catchment_dot = (
+            math.cos(net.catchment_km / EARTH_RADIUS_KM) if net.catchment_km > 0 else 2.0
+        )
         counts = Counter(v.model for v in views if v.available and v.model and v.role != "prefill")
         # Ties broken by name so every router picks the same default.
         self.default_model = min(counts, key=lambda m: (-counts[m], m)) if counts else None
