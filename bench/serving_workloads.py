@@ -6,7 +6,7 @@ is judged by. Everything is seeded, so two setups in one run, or two runs, get t
 
 Sizes are chosen for the 2-core CPU this project benchmarks on, where SmolLM2-135M prefills
 about 250 tokens/s and decodes one batch step in 60-150 ms per core: a workload must keep the
-servers busy without queueing without bound, and finish in one to two minutes.
+servers busy without queueing without bound, and finish in one to three minutes.
 """
 
 from __future__ import annotations
