@@ -36,6 +36,7 @@ from edgeinfer.daemon.kv_transfer.messages import FirstToken, KVChunk, Ping, Wir
 from edgeinfer.daemon.kv_transfer.tensor_codec import page_bytes, payload_tensor, tensor_payload
 from edgeinfer.daemon.kv_transfer.transport import tune_socket
 from edgeinfer.daemon.kv_transfer.wire import DEFAULT_LIMITS, decode, encode
+from edgeinfer.shared.processes import free_port
 
 LAYOUT = WireLayout("bfloat16", block_size=16, num_layers=32, num_kv_heads=8, head_dim=128)
 RESULTS = Path(__file__).parent / "results" / "kv_transfer.json"
@@ -126,12 +127,6 @@ def receive_tcp(conn: socket.socket, buf: bytearray) -> int:
             raise ConnectionError("sender closed early")
         got += n
     return got
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(transport: str, num_blocks: int, chunk_bytes: int, reps: int) -> list[float]:

@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +28,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import uvloop
+
+from edgeinfer.shared.processes import ChildProcess, free_port, spawn
 
 HERE = Path(__file__).resolve().parent
 TARGET_ADDED_P99_MS = 2.0
@@ -41,51 +39,31 @@ BODY = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_until(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
-            if resp.status == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout_s}s")
-
-
 @contextlib.contextmanager
 def _processes(workdir: Path, chunks: int) -> Iterator[tuple[str, str, int]]:
     """(daemon URL, router URL, router pid) while a fake daemon and a real router run."""
-    d_port, hb_port, r_port = _free_port(), _free_port(), _free_port()
+    d_port, hb_port, r_port = free_port(), free_port(), free_port()
     config = workdir / "router.toml"
     config.write_text(
         f'[router]\nlisten = "127.0.0.1:{r_port}"\nhere = "bench"\n'
         "heartbeat_interval_s = 0.5\ndiscovery_interval_s = 0.1\n\n"
         f'[[pop]]\nname = "bench"\nlat = 50.11\nlon = 8.68\ndaemons = ["http://127.0.0.1:{d_port}"]\n'
     )
-    cmds = [
-        [sys.executable, str(HERE / "fake_daemon.py"), "--port", str(d_port),
-         "--heartbeat-port", str(hb_port), "--chunks", str(chunks)],
-        [sys.executable, "-m", "edgeinfer.router.main", "--config", str(config)],
-    ]  # fmt: skip
-    procs: list[subprocess.Popen[bytes]] = []
+    daemon_cmd = [sys.executable, str(HERE / "fake_daemon.py"), "--port", str(d_port),
+                  "--heartbeat-port", str(hb_port), "--chunks", str(chunks)]  # fmt: skip
+    router_cmd = [sys.executable, "-m", "edgeinfer.router.main", "--config", str(config)]
+    procs: list[ChildProcess] = []
     try:
-        for i, cmd in enumerate(cmds):
-            with (workdir / f"proc{i}.log").open("wb") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-        daemon, router = f"http://127.0.0.1:{d_port}", f"http://127.0.0.1:{r_port}"
-        _wait_until(daemon + "/health")
-        _wait_until(router + "/health")  # 200 once the daemon is discovered and heartbeating
-        yield daemon, router, procs[1].pid
+        daemon = spawn("daemon", daemon_cmd, workdir=workdir, url=f"http://127.0.0.1:{d_port}")
+        procs.append(daemon)
+        router = spawn("router", router_cmd, workdir=workdir, url=f"http://127.0.0.1:{r_port}")
+        procs.append(router)
+        daemon.wait_http("/health", 30)
+        router.wait_http("/health", 30)  # 200 once the daemon is discovered and heartbeating
+        yield daemon.url, router.url, router.pid
     finally:
         for proc in reversed(procs):
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM)
-                proc.wait(30)
+            proc.stop(timeout_s=30)
 
 
 async def _one(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:

@@ -3,65 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from edgeinfer.shared import processes
+from edgeinfer.shared.processes import ChildProcess as Proc
+from edgeinfer.shared.processes import free_port
+
+__all__ = ["Cluster", "Proc", "cluster", "free_port", "http_get", "metric", "wait_healthy"]
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-    url: str
-    ports: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def kv_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.ports['kv']}"
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(10)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+    status, body = processes.http_get(url, timeout)
+    return status, body.decode()
 
 
 def wait_healthy(proc: Proc, timeout: float = 90.0, path: str = "/health") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}:\n{proc.output()}")
-        with contextlib.suppress(OSError):
-            if http_get(proc.url + path, timeout=2)[0] == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{proc.name} not healthy after {timeout}s:\n{proc.output()}")
+    proc.wait_http(path, timeout)
 
 
 class Cluster:
@@ -95,11 +54,7 @@ class Cluster:
     def _spawn(
         self, name: str, cmd: list[str], extra: dict[str, str], url: str, ports: dict[str, int]
     ) -> Proc:
-        log = self.workdir / f"{name}.log"
-        env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
-        with log.open("wb") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        proc = Proc(name, popen, log, url, ports)
+        proc = processes.spawn(name, cmd, workdir=self.workdir, url=url, env=extra, ports=ports)
         self.procs.append(proc)
         return proc
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.outputs import EngineStats
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
 from edgeinfer.daemon.state import STATE_KEY
+from edgeinfer.shared.processes import free_port
 
 # Small enough to allocate instantly, large enough for every test's prompts and outputs.
 NUM_KV_BLOCKS = 64
@@ -103,9 +103,3 @@ async def read_events(resp: ClientResponse) -> list[dict[str, Any] | str]:
     while (event := await read_event(resp)) is not None:
         events.append(event)
     return events
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

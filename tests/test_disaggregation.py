@@ -63,7 +63,7 @@ def test_prefill_decode_pair_matches_colocated(checkpoint, tmp_path):
         wait_healthy(prefill)
         decode = c.daemon(
             "decode", checkpoint, "--role", "decode",
-            "--prefill-peer", prefill.kv_endpoint, "--local-prefill-threshold", "0",
+            "--prefill-peer", prefill.tcp_endpoint("kv"), "--local-prefill-threshold", "0",
         )  # fmt: skip
         both = c.daemon("both", checkpoint, "--role", "both")
         wait_healthy(decode)
@@ -113,7 +113,7 @@ def test_prefill_killed_mid_transfer_request_still_completes(checkpoint, tmp_pat
         wait_healthy(prefill)
         decode = c.daemon(
             "decode", checkpoint, "--role", "decode",
-            "--prefill-peer", prefill.kv_endpoint, "--local-prefill-threshold", "0",
+            "--prefill-peer", prefill.tcp_endpoint("kv"), "--local-prefill-threshold", "0",
         )  # fmt: skip
         both = c.daemon("both", checkpoint, "--role", "both")
         wait_healthy(decode)
@@ -146,7 +146,7 @@ def test_garbage_on_kv_port_is_dropped_and_serving_continues(checkpoint, tmp_pat
         wait_healthy(prefill)
         decode = c.daemon(
             "decode", checkpoint, "--role", "decode",
-            "--prefill-peer", prefill.kv_endpoint, "--local-prefill-threshold", "0",
+            "--prefill-peer", prefill.tcp_endpoint("kv"), "--local-prefill-threshold", "0",
         )  # fmt: skip
         wait_healthy(decode)
         name = model_id(decode.url)
@@ -161,7 +161,7 @@ def test_garbage_on_kv_port_is_dropped_and_serving_continues(checkpoint, tmp_pat
         ctx = zmq.Context()
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(prefill.kv_endpoint)
+        dealer.connect(prefill.tcp_endpoint("kv"))
         rng = random.Random(2)
         for _ in range(20):
             dealer.send_multipart(

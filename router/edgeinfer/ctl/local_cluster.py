@@ -12,18 +12,14 @@ Nothing here imports the engine: the daemons load their models in their own proc
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgeinfer.ctl.client import RouterClientError
+from edgeinfer.shared.processes import ChildExited, ChildProcess, free_port, http_get, spawn
 
 # The MaxMind test database of the source tree: it locates a few hundred networks, enough to
 # play client on three continents through X-Forwarded-For. Absent from an installed package.
@@ -49,30 +45,7 @@ DEFAULT_LAYOUT = (
 )
 
 
-@dataclass
-class Process:
-    name: str
-    role: str  # "router" or a daemon role
-    url: str
-    log: Path
-    popen: subprocess.Popen[bytes]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str, token: str | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url)
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=2) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+__all__ = ["DEFAULT_LAYOUT", "TEST_GEOIP_DB", "LocalCluster", "PopSpec", "free_port"]
 
 
 @dataclass
@@ -86,15 +59,16 @@ class LocalCluster:
     router_log_level: str = "info"
     kv_cache_bytes: int = 128 << 20  # per daemon; the engine default (1 GiB) is for servers
     stop_timeout_s: float = 20.0
-    procs: list[Process] = field(default_factory=list)
+    procs: list[ChildProcess] = field(default_factory=list)
+    roles: dict[str, str] = field(default_factory=dict)  # process name -> "router" or daemon role
 
     @property
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
     @property
-    def router(self) -> Process:
-        return next(p for p in self.procs if p.role == "router")
+    def router(self) -> ChildProcess:
+        return next(p for p in self.procs if self.roles[p.name] == "router")
 
     def start(self) -> None:
         """Spawn every daemon and the router; :meth:`wait_ready` says when they serve."""
@@ -111,7 +85,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "edgeinfer.router.main", "--config", str(config)]
         self._spawn("router", "router", self.router_url, cmd, {})
 
-    def _daemon(self, name: str, pop: str, role: str) -> Process:
+    def _daemon(self, name: str, pop: str, role: str) -> ChildProcess:
         port, kv_port, hb_port = free_port(), free_port(), free_port()
         cmd = [sys.executable, "-m", "edgeinfer.daemon.main", "--host", "127.0.0.1",
                "--port", str(port), "--kv-port", str(kv_port), "--pop", pop, "--role", role,
@@ -147,15 +121,10 @@ class LocalCluster:
 
     def _spawn(
         self, name: str, role: str, url: str, cmd: list[str], env: dict[str, str]
-    ) -> Process:
-        log = self.workdir / f"{name}.log"
-        with log.open("wb") as out:
-            popen = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
-            )  # fmt: skip
-        proc = Process(name, role, url, log, popen)
+    ) -> ChildProcess:
+        proc = spawn(name, cmd, workdir=self.workdir, url=url, env=env)
         self.procs.append(proc)
+        self.roles[name] = role
         return proc
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
@@ -164,15 +133,13 @@ class LocalCluster:
         daemons = sum(len(p.roles) for p in self.layout)
         states: list[str] = []
         while time.monotonic() < deadline:
-            for proc in self.procs:
-                if proc.popen.poll() is not None:
-                    tail = proc.log.read_text(errors="replace")[-2000:]
-                    raise RouterClientError(
-                        f"{proc.name} exited with status {proc.popen.returncode}; "
-                        f"its log ({proc.log}) ends:\n{tail}"
-                    )
             try:
-                status, body = _get(self.router_url + "/admin/pops", self.token)
+                for proc in self.procs:
+                    proc.check_alive()
+            except ChildExited as e:
+                raise RouterClientError(str(e)) from None
+            try:
+                status, body = http_get(self.router_url + "/admin/pops", 2, self.token)
             except OSError:
                 status, body = 0, b""
             if status == 200:
@@ -187,14 +154,9 @@ class LocalCluster:
         order = {"router": 0, "decode": 1, "both": 1, "prefill": 2}
         codes: dict[str, int] = {}
         for rank in sorted(set(order.values())):
-            group = [p for p in self.procs if order[p.role] == rank]
+            group = [p for p in self.procs if order[self.roles[p.name]] == rank]
+            for proc in group:  # the whole rank gets SIGTERM before any is waited for
+                proc.send_signal(signal.SIGTERM)
             for proc in group:
-                if proc.popen.poll() is None:
-                    os.kill(proc.popen.pid, signal.SIGTERM)
-            for proc in group:
-                try:
-                    codes[proc.name] = proc.popen.wait(self.stop_timeout_s)
-                except subprocess.TimeoutExpired:
-                    os.kill(proc.popen.pid, signal.SIGKILL)
-                    codes[proc.name] = proc.popen.wait()
+                codes[proc.name] = proc.stop(self.stop_timeout_s)
         return codes

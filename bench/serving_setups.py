@@ -1,0 +1,85 @@
+"""The serving benchmark's setups on two cores: a colocated daemon, a prefill + decode pair, vLLM.
+
+Every process is started (not waited for) by :func:`launch`, pinned with ``taskset``, in its
+own session so that stopping its group also stops what it forked (vLLM's engine process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from edgeinfer.shared.processes import ChildProcess, free_port, spawn
+
+SETUPS = ("both", "pd", "vllm")
+
+
+def cores() -> tuple[str, str, str]:
+    """The first two cores this process may run on: (first, second, both) for taskset."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        raise SystemExit("the serving comparison needs two cores")
+    a, b = str(allowed[0]), str(allowed[1])
+    return a, b, f"{a},{b}"
+
+
+def daemon_cmd(model_dir: Path, core: str, port: int, kv_port: int, *args: str) -> list[str]:
+    return [
+        "taskset", "-c", core, sys.executable, "-m", "edgeinfer.daemon.main",
+        "--model", str(model_dir), "--host", "127.0.0.1",
+        "--port", str(port), "--kv-port", str(kv_port), *args,
+    ]  # fmt: skip
+
+
+def launch(
+    setup: str, model_dir: Path, args: argparse.Namespace
+) -> tuple[ChildProcess, list[ChildProcess]]:
+    """Spawn ``setup``'s processes without waiting for them; return the API process and all."""
+    first, second, both = cores()
+    workdir = Path(tempfile.mkdtemp(prefix=f"serving-{setup}-"))
+    procs: list[ChildProcess] = []
+
+    def daemon(name: str, core: str, threads: int, *flags: str) -> ChildProcess:
+        port, kv_port = free_port(), free_port()
+        env = {"EDGEINFER_HEARTBEAT_PORT": str(free_port()), "EDGEINFER_NUM_THREADS": str(threads)}
+        cmd = daemon_cmd(model_dir, core, port, kv_port, *flags)
+        url = f"http://127.0.0.1:{port}"
+        procs.append(spawn(name, cmd, workdir=workdir, url=url, env=env, ports={"kv": kv_port}))
+        return procs[-1]
+
+    if setup == "both":
+        api = daemon("both", both, 2, "--role", "both")
+    elif setup == "pd":
+        prefill = daemon("prefill", first, 1, "--role", "prefill")
+        threshold = [] if args.local_prefill_threshold is None else [
+            "--local-prefill-threshold", str(args.local_prefill_threshold)]  # fmt: skip
+        # The decode daemon's ZeroMQ client reconnects until the prefill daemon listens.
+        api = daemon(
+            "decode", second, 1, "--role", "decode",
+            "--prefill-peer", prefill.tcp_endpoint("kv"), *threshold,
+        )  # fmt: skip
+    elif setup == "vllm":
+        port = free_port()
+        cmd = [
+            "taskset", "-c", both, args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(port),
+        ]  # fmt: skip
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            # vLLM would keep one of the two cores for its API server and compute on the
+            # other; edgeinfer's `both` computes on both, so vLLM gets both too.
+            "VLLM_CPU_OMP_THREADS_BIND": both,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        }
+        url = f"http://127.0.0.1:{port}"
+        procs.append(spawn("vllm", cmd, workdir=workdir, url=url, env=env))
+        api = procs[-1]
+    else:
+        raise ValueError(f"unknown setup {setup!r}")
+    return api, procs
