@@ -9,7 +9,6 @@ background so the HTTP port is open, answering ``/health`` with 503, while the m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from edgeinfer.daemon.serving import RequestRunner
 from edgeinfer.daemon.state import CONFIG_KEY, METRICS_KEY, STATE_KEY, ServingState
 from edgeinfer.daemon.transfer_plane import TransferPlane, TransferPlaneError
 from edgeinfer.shared.errors import EdgeInferError
+from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,7 @@ async def _engine_ctx(app: web.Application, *, prebuilt: LLMEngine | None) -> As
     state = app[STATE_KEY]
     loader = asyncio.create_task(_load(app, prebuilt), name="edgeinfer-load")
     yield
-    loader.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await loader
+    await cancel_and_wait(loader)
     if state.plane is not None:
         # In-flight KV transfers finish first (drain-safe), then the engine stops.
         await state.plane.stop(drain=True)

@@ -12,7 +12,6 @@ supplies the rest, as a mapping or as a whole :class:`Heartbeat` whose stream fi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -24,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from edgeinfer.shared.heartbeat import HEARTBEAT_VERSION, Heartbeat
+from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,7 @@ class HeartbeatPublisher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if self._socket is not None:
             self._socket.close()

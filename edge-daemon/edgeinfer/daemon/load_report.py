@@ -21,6 +21,7 @@ from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.outputs import EngineStats
 from edgeinfer.daemon.heartbeat import RateMeter
 from edgeinfer.daemon.metrics import DaemonMetrics
+from edgeinfer.shared.tasks import cancel_and_wait
 
 
 class LoadTracker:
@@ -66,9 +67,7 @@ class LoadTracker:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         # Twice per heartbeat period, so a heartbeat never carries a snapshot older than that.

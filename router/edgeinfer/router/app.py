@@ -8,7 +8,6 @@ in reverse order after aiohttp has let in-flight streams finish.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -28,6 +27,7 @@ from edgeinfer.router.network import NetworkModel, RttProber
 from edgeinfer.router.openai_api import error_response
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry
 from edgeinfer.router.proxy import PROXY_KEY, Proxy
+from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        discovery_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await discovery_task
+        await cancel_and_wait(discovery_task)
         await prober.stop()
         await listener.stop()
         await session.close()

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from edgeinfer.router.pop_registry import PopRegistry
 from edgeinfer.shared.heartbeat import Heartbeat, HeartbeatError
+from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,7 @@ class HeartbeatListener:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if self._socket is not None:
             self._socket.close()

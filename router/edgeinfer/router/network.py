@@ -12,7 +12,6 @@ estimates and the scalars in a placement's breakdown cannot disagree.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -24,6 +23,7 @@ import numpy.typing as npt
 
 from edgeinfer.router.geo import Located
 from edgeinfer.router.pop_registry import PopRegistry
+from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,7 @@ class RttProber:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if self._session is not None:
             await self._session.close()

@@ -22,6 +22,8 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 
+from edgeinfer.shared.tasks import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 _MUST_ARRIVE_S = 1.0  # how long READY=1 / STOPPING=1 may wait for room in systemd's queue
@@ -121,9 +123,7 @@ class Notifier:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
 
 def _status(text: str) -> str:
