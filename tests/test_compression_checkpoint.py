@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +13,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from edgeinfer.kernels.compression.checkpoint import compress_dir, decompress_dir, tensor_class
-from edgeinfer.kernels.compression.errors import CompressionError, CorruptDataError
+from edgeinfer.kernels.compression.errors import (
+    CompressionError,
+    CorruptDataError,
+    UnsupportedFormatError,
+)
+from edgeinfer.kernels.compression.format import METADATA_KEY, CompressedTensor, Palette
 from edgeinfer.kernels.compression.reader import (
     CompressedSafetensorsReader,
     decompress,
@@ -28,6 +35,12 @@ def _tensors() -> dict[str, torch.Tensor]:
         "model.embed_tokens.weight": (torch.randn(100, 64) * 0.02).to(torch.float16),
         "rope.inv_freq": torch.rand(32),  # float32: stored as is
         "position_ids": torch.arange(7),
+        # Dequantized from 4-bit groups of 32: palette mode.
+        "model.layers.0.mlp.down_proj.weight": (
+            torch.randint(0, 16, (64, 2, 32)) * torch.rand(64, 2, 1) * 0.01
+        )
+        .reshape(64, 64)
+        .to(torch.bfloat16),
     }
 
 
@@ -140,3 +153,76 @@ def test_compressing_twice_is_refused(checkpoint: Path, tmp_path: Path) -> None:
 )
 def test_tensor_classes(name: str, label: str) -> None:
     assert tensor_class(name) == label
+
+
+def _rewrite_header(
+    path: Path, edit: Callable[[dict[str, Any], dict[str, torch.Tensor]], None]
+) -> None:
+    """Re-save ``path`` after ``edit(header, tensors)`` changed its compression header."""
+    tensors = load_file(path)
+    with safe_open(str(path), "pt") as handle:
+        metadata = dict(handle.metadata())
+    header = json.loads(metadata[METADATA_KEY])
+    edit(header, tensors)
+    metadata[METADATA_KEY] = json.dumps(header)
+    save_file(tensors, path, metadata=metadata)
+
+
+def test_palette_tensor_is_stored_with_its_fields(checkpoint: Path, tmp_path: Path) -> None:
+    compress_dir(checkpoint, tmp_path / "c")
+    name = "model.layers.0.mlp.down_proj.weight"
+    with CompressedSafetensorsReader(tmp_path / "c" / "sub") as reader:
+        packed = reader.get_compressed(name)
+        assert packed is not None and packed.palette is not None
+        assert reader.stored_nbytes(name) == packed.nbytes < 0.6 * 64 * 64 * 2
+        assert _same(reader.get(name), _tensors()[name])
+
+
+def test_format_1_files_still_read(tmp_path: Path) -> None:
+    # Format 1 had plain mode only, which format 2 stores byte for byte the same way.
+    (tmp_path / "in").mkdir()
+    original = {"w": (torch.randn(40, 64) * 0.02).to(torch.bfloat16), "b": torch.randn(9).half()}
+    save_file(original, tmp_path / "in" / "model.safetensors")
+    compress_dir(tmp_path / "in", tmp_path / "c")
+    path = tmp_path / "c" / "model.safetensors"
+    _rewrite_header(path, lambda header, _: header.update(version=1))
+    with CompressedSafetensorsReader(path) as reader:
+        packed = [reader.get_compressed(name) for name in original]
+        assert all(p is not None and p.palette is None for p in packed)
+        assert all(_same(reader.get(name), t) for name, t in original.items())
+
+
+def test_unknown_format_version_is_a_clear_error(checkpoint: Path, tmp_path: Path) -> None:
+    compress_dir(checkpoint, tmp_path / "c")
+    path = tmp_path / "c" / "model-1.safetensors"
+    _rewrite_header(path, lambda header, _: header.update(version=3))
+    with pytest.raises(UnsupportedFormatError, match="format version 3 is not supported"):
+        CompressedSafetensorsReader(path)
+
+
+def test_crafted_palette_fields_are_refused(checkpoint: Path, tmp_path: Path) -> None:
+    # A consistent checksum over inconsistent parts: refused before any decoder reads them.
+    compress_dir(checkpoint, tmp_path / "c")
+    path = tmp_path / "c" / "sub" / "model-2.safetensors"
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def shrink_index(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        tensors[f"{name}::ei.index"] = tensors[f"{name}::ei.index"][:-3].clone()
+        entry = header["tensors"][name]
+        parts = {p: tensors[f"{name}::ei.{p}"] for p in ("code", "offsets", "bits", "raw")}
+        fields = Palette(
+            entry["block"],
+            entry["width"],
+            *(tensors[f"{name}::ei.{p}"] for p in ("counts", "index")),
+        )
+        crafted = CompressedTensor(
+            entry["dtype"], tuple(entry["shape"]), entry["chunk"], **parts, palette=fields
+        )
+        entry["crc32"] = crafted.checksum()
+
+    _rewrite_header(path, shrink_index)
+    with (
+        CompressedSafetensorsReader(path) as reader,
+        pytest.raises(CorruptDataError, match="inconsistent compressed tensor layout"),
+    ):
+        reader.get(name)

@@ -27,19 +27,20 @@ def test_compress_prints_a_summary_per_class(tmp_path: Path) -> None:
     _checkpoint(tmp_path / "in")
     result = CliRunner().invoke(cli, ["compress", str(tmp_path / "in"), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
-    # All-equal tensors: the exponent costs 0 bits; what is left is the raw byte per element plus
-    # 14 bytes of code table, chunk offset and read padding (which outweigh an 8-element norm).
+    # All-equal tensors take palette mode: one palette word (1 raw byte; its exponent costs 0 bits)
+    # plus 14 bytes of code table, chunk offset and read padding, and 5 bytes of palette fields
+    # (the index is 0 bits wide): 20 bytes whatever the size, more than an 8-element norm.
     assert result.output.splitlines() == [
         f"compressed {tmp_path / 'in'} into {tmp_path / 'out'}",
         "┏━━━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━┳━━━━━━━┳━━━━━━━━┓",
         "┃ class     ┃ tensors ┃ before ┃ after ┃  ratio ┃",
         "┡━━━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━╇━━━━━━━╇━━━━━━━━┩",
-        "│ attention │       1 │     64 │    46 │  71.9% │",
-        "│ mlp       │       1 │    128 │    78 │  60.9% │",
-        "│ norm      │       1 │     16 │    22 │ 137.5% │",
+        "│ attention │       1 │     64 │    20 │  31.2% │",
+        "│ mlp       │       1 │    128 │    20 │  15.6% │",
+        "│ norm      │       1 │     16 │    20 │ 125.0% │",
         "│ other     │       1 │      8 │     8 │ 100.0% │",
         "├───────────┼─────────┼────────┼───────┼────────┤",
-        "│ total     │       4 │    216 │   154 │  71.3% │",
+        "│ total     │       4 │    216 │    68 │  31.5% │",
         "└───────────┴─────────┴────────┴───────┴────────┘",
     ]
 

@@ -1,4 +1,4 @@
-"""Bit-exact round trips of the bf16/fp16 codec through the vectorised CPU decoder."""
+"""Bit-exact round trips of the bf16/fp16 codec through both CPU decoders (numba and numpy)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,29 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.kernels.compression.cpu_decoder import decode_cpu, decode_many_cpu
+from edgeinfer.kernels.compression.cpu_decoder import BACKENDS, Backend, decode_cpu, decode_many_cpu
 from edgeinfer.kernels.compression.encoder import compress_tensor
 from edgeinfer.kernels.compression.errors import CompressionError
 from edgeinfer.kernels.compression.huffman import MAX_CODE_LEN, code_lengths
+from edgeinfer.kernels.compression.palette import BLOCK_SIZES, MAX_PALETTE
 
 DTYPES = [torch.bfloat16, torch.float16]
+pytest.importorskip("numba")  # both backends are compared; numba is a project dependency
 
 
 def _words(tensor: torch.Tensor) -> list[int]:
     return tensor.contiguous().view(torch.int16).reshape(-1).tolist()
 
 
-def _roundtrip(words: list[int], dtype: torch.dtype, chunk: int) -> None:
+def _roundtrip(words: list[int], dtype: torch.dtype, chunk: int) -> bool:
+    """Check both backends; returns whether the encoder chose palette mode."""
     original = torch.tensor(words, dtype=torch.int32).to(torch.int16).view(dtype)
-    restored = decode_cpu(compress_tensor(original, chunk))
-    assert restored.dtype == dtype and restored.shape == original.shape
-    assert _words(restored) == _words(original)
+    packed = compress_tensor(original, chunk)
+    for backend in BACKENDS:
+        restored = decode_cpu(packed, backend)
+        assert restored.dtype == dtype and restored.shape == original.shape
+        assert _words(restored) == _words(original), backend
+    return packed.palette is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,44 +78,98 @@ SPECIALS = [
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_special_values_roundtrip(dtype: torch.dtype) -> None:
     _roundtrip(SPECIALS * 37, dtype, 64)
+    _roundtrip(list(range(0, 0x10000, 7)) + SPECIALS, dtype, 64)  # plain mode
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1,), (), (3, 5, 7), (0,), (2, 0, 3), (4097,)])
-def test_shapes_roundtrip(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def test_shapes_roundtrip(backend: Backend, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     original = torch.randn(shape).to(dtype)
-    restored = decode_cpu(compress_tensor(original, 64))
+    restored = decode_cpu(compress_tensor(original, 64), backend)
     assert restored.shape == original.shape and _words(restored) == _words(original)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_all_equal_tensor_costs_no_coded_bits(dtype: torch.dtype) -> None:
+def test_all_equal_tensor_is_one_palette_word_per_block(
+    backend: Backend, dtype: torch.dtype
+) -> None:
     original = torch.full((10_000,), -2.5, dtype=dtype)
     packed = compress_tensor(original)
+    assert packed.palette is not None and packed.palette.width == 0  # no index bits at all
     assert packed.bits.numel() == 8  # only the read padding: the exponent takes 0 bits
-    assert _words(decode_cpu(packed)) == _words(original)
+    assert packed.nbytes < 10_000 / 20
+    assert _words(decode_cpu(packed, backend)) == _words(original)
 
 
-def test_non_contiguous_input_roundtrips() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_input_roundtrips(backend: Backend) -> None:
     original = torch.randn(64, 48).to(torch.bfloat16).t()
-    assert _words(decode_cpu(compress_tensor(original))) == _words(original)
+    assert _words(decode_cpu(compress_tensor(original), backend)) == _words(original)
 
 
-def test_batch_of_mixed_tensors_decodes_in_order() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_of_mixed_tensors_decodes_in_order(backend: Backend) -> None:
     tensors = [
         torch.randn(5000).to(torch.bfloat16),
         torch.full((3,), 1.0, dtype=torch.float16),
         torch.randn(17, 33).to(torch.float16) * 1e-6,
         torch.randn(1).to(torch.bfloat16),
+        _group_quantized(4099, 32, levels=16),
     ]
-    packed = [compress_tensor(t, chunk) for t, chunk in zip(tensors, [256, 256, 8, 256])]
-    for original, restored in zip(tensors, decode_many_cpu(packed), strict=True):
+    chunks = [256, 256, 8, 256, 64]
+    packed = [compress_tensor(t, chunk) for t, chunk in zip(tensors, chunks)]
+    assert packed[-1].palette is not None
+    for original, restored in zip(tensors, decode_many_cpu(packed, backend), strict=True):
         assert _words(restored) == _words(original)
+
+
+def _group_quantized(n: int, group: int, levels: int, seed: int = 0) -> torch.Tensor:
+    """What dequantizing a group-quantized checkpoint gives: ``levels`` values per group."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-n // group)
+    scale = torch.rand(groups, 1, generator=gen) * 0.01
+    low = -torch.rand(groups, 1, generator=gen) * 0.05
+    q = torch.randint(0, levels, (groups, group), generator=gen)
+    return (low + scale * q).reshape(-1)[:n].to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", BLOCK_SIZES)
+def test_group_quantized_weights_take_palette_mode(group: int) -> None:
+    original = _group_quantized(64 * 1024 + 5, group, levels=16)
+    packed = compress_tensor(original)
+    assert packed.palette is not None and packed.palette.block == group
+    assert packed.palette.width == 4
+    # 4 index bits + a palette word per 2 elements at worst (group 32): well under plain's ~66%.
+    assert packed.nbytes / (original.numel() * 2) < 0.6
+    for backend in BACKENDS:
+        assert _words(decode_cpu(packed, backend)) == _words(original)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=40, deadline=None)
+@given(
+    alphabet=st.lists(st.integers(0, 0xFFFF), min_size=1, max_size=MAX_PALETTE + 4),
+    picks=st.lists(st.integers(0, 2**16), min_size=1, max_size=700),
+    chunk=st.sampled_from([1, 5, 64, 1024]),
+)
+def test_few_distinct_words_roundtrip(
+    dtype: torch.dtype, alphabet: list[int], picks: list[int], chunk: int
+) -> None:
+    # Any words (NaN payloads included) from a small alphabet: palette mode with every index
+    # width, blocks cut short at the end, and plain mode past MAX_PALETTE words per block.
+    _roundtrip([alphabet[p % len(alphabet)] for p in picks], dtype, chunk)
+
+
+def test_special_values_take_palette_mode_exactly() -> None:
+    assert _roundtrip(SPECIALS * 37, torch.bfloat16, 64)
 
 
 def test_trained_like_weights_shrink_by_a_third() -> None:
     original = (torch.randn(256, 512) * 0.02).to(torch.bfloat16)
     packed = compress_tensor(original)
+    assert packed.palette is None  # ~32 distinct words per 32: a palette would only cost more
     assert packed.nbytes / (original.numel() * 2) < 0.70
 
 

@@ -50,3 +50,25 @@ def test_weights_and_special_values(dtype: torch.dtype) -> None:
 def test_all_equal_and_single_element() -> None:
     _check(torch.full((129,), 0.5, dtype=torch.bfloat16), 32)
     _check(torch.tensor([-0.0], dtype=torch.float16), 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@settings(max_examples=6, deadline=None)
+@given(
+    alphabet=st.lists(st.integers(0, 0xFFFF), min_size=1, max_size=16),
+    picks=st.lists(st.integers(0, 2**16), min_size=1, max_size=300),
+)
+def test_palette_mode_roundtrips(dtype: torch.dtype, alphabet: list[int], picks: list[int]) -> None:
+    words = [alphabet[p % len(alphabet)] for p in picks]
+    # Palette mode wherever it is smaller than plain mode: all but the shortest tensors.
+    original = torch.tensor(words, dtype=torch.int32).to(torch.int16).view(dtype)
+    _check(original, 32)
+
+
+def test_group_quantized_weights() -> None:
+    gen = torch.Generator().manual_seed(0)
+    scale, low = torch.rand(40, 1, generator=gen) * 0.01, -torch.rand(40, 1, generator=gen) * 0.05
+    q = torch.randint(0, 16, (40, 64), generator=gen)
+    original = (low + scale * q).to(torch.bfloat16).reshape(-1)[:2555].reshape(5, 511)
+    assert compress_tensor(original).palette is not None
+    _check(original, 64)

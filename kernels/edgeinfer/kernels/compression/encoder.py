@@ -1,17 +1,37 @@
-"""Compress one bf16/fp16 tensor into a :class:`CompressedTensor` (vectorised numpy)."""
+"""Compress one bf16/fp16 tensor into a :class:`CompressedTensor` (vectorised numpy).
+
+Each tensor gets the smaller of the two modes (see ``format.py``): plain, or palette when every
+block of some size in ``palette.BLOCK_SIZES`` holds at most ``MAX_PALETTE`` distinct words and
+that wins on this tensor's data.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
 
 from edgeinfer.kernels.compression.errors import CompressionError
-from edgeinfer.kernels.compression.format import DEFAULT_CHUNK, DTYPES, PAD_BYTES, CompressedTensor
+from edgeinfer.kernels.compression.format import (
+    DEFAULT_CHUNK,
+    DTYPES,
+    PAD_BYTES,
+    CompressedTensor,
+    Palette,
+)
 from edgeinfer.kernels.compression.huffman import (
     canonical_codes,
     code_lengths,
     lengths_to_pairs,
     pairs_to_lengths,
+)
+from edgeinfer.kernels.compression.palette import (
+    BLOCK_SIZES,
+    COUNT_BITS,
+    estimate_bytes,
+    pack_fields,
+    split,
 )
 
 
@@ -39,6 +59,49 @@ def compress_tensor(tensor: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> Compres
     if chunk <= 0:
         raise CompressionError(f"chunk must be positive, got {chunk}")
     words = tensor.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16).ravel()
+    shape = tuple(tensor.shape)
+    plain = _encode_stream(words, dtype, shape, chunk)
+    palette = _best_palette(words, plain.nbytes / max(len(words), 1))
+    if palette is None:
+        return plain
+    block, (palette_words, counts, index) = palette
+    stream = _encode_stream(palette_words, dtype, shape, chunk)
+    width = int(counts.max() - 1).bit_length()
+    fields = Palette(
+        block,
+        width,
+        torch.from_numpy(pack_fields(counts - 1, COUNT_BITS)),
+        torch.from_numpy(pack_fields(index, width)),
+    )
+    packed = dataclasses.replace(stream, palette=fields)
+    return packed if packed.nbytes < plain.nbytes else plain
+
+
+def _best_palette(
+    words: np.ndarray, word_bytes: float
+) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+    """The block size whose palette split looks smallest, with that split; None if none fits.
+
+    A palette word is costed at ``word_bytes``, its plain-mode cost: close enough to rank the
+    block sizes, and the caller compares the exact sizes of the winner and of plain mode.
+    """
+    best: tuple[float, int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+    if len(words) == 0:
+        return None
+    for block in BLOCK_SIZES:
+        parts = split(words, block)
+        if parts is None:
+            break  # a larger block holds at least as many distinct words
+        size = estimate_bytes(len(words), block, parts[1], word_bytes)
+        if best is None or size < best[0]:
+            best = (size, block, parts)
+    return None if best is None else (best[1], best[2])
+
+
+def _encode_stream(
+    words: np.ndarray, dtype: str, shape: tuple[int, ...], chunk: int
+) -> CompressedTensor:
+    """Plain-mode tensor of ``words`` (uint16) with the given shape (fixed by the caller)."""
     coded, raw = split_words(words, dtype)
     counts = np.bincount(coded, minlength=256)
     pairs = lengths_to_pairs(code_lengths(counts), counts) if len(coded) else np.zeros(2, np.uint8)
@@ -46,7 +109,7 @@ def compress_tensor(tensor: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> Compres
     offsets, bits = _encode_chunks(coded, symbols, lengths, chunk)
     return CompressedTensor(
         dtype=dtype,
-        shape=tuple(tensor.shape),
+        shape=shape,
         chunk=chunk,
         code=torch.from_numpy(pairs),
         offsets=torch.from_numpy(offsets),

@@ -1,13 +1,19 @@
 """The compressed tensor: its parts, how 16-bit words are split, and how it is checksummed.
 
-A bf16 or fp16 tensor of ``n`` elements is stored as four byte-oriented parts:
+A tensor is stored in one of two modes, chosen per tensor by the encoder from its data:
+
+* plain: the tensor's ``n`` words form the *word stream* described below;
+* palette: the word stream holds per-block palettes, and two more parts, ``counts`` and
+  ``index``, say which palette word each element takes (see ``palette.py``).
+
+The word stream of ``m`` 16-bit words is stored as four byte-oriented parts:
 
 * ``code``    uint8 (2k,)   the Huffman code: ``[sym, length]`` pairs, see ``huffman.py``;
 * ``offsets`` int32 (C,)    byte offset in ``bits`` where each chunk of ``chunk`` symbols starts
-                            (chunks start byte-aligned; C = ceil(n / chunk));
+                            (chunks start byte-aligned; C = ceil(m / chunk));
 * ``bits``    uint8 (B,)    the Huffman-coded bytes, LSB-first, then ``PAD_BYTES`` zero bytes so
                             that a decoder may always read a whole 8-byte window;
-* ``raw``     uint8 (n,)    the bytes that are kept as they are.
+* ``raw``     uint8 (m,)    the bytes that are kept as they are.
 
 Each 16-bit word is mapped to a (coded byte, raw byte) pair by a bijection chosen per dtype:
 
@@ -20,7 +26,11 @@ Each 16-bit word is mapped to a (coded byte, raw byte) pair by a bijection chose
   lowers Huffman's redundancy; it also keeps the raw part byte-aligned.
 
 Every bit pattern (NaN payloads, infinities, subnormals, signed zeros) survives: the mapping is a
-bijection on 16-bit words and the coder is lossless over all 256 byte values.
+bijection on 16-bit words, the coder is lossless over all 256 byte values, and a palette holds
+the exact words of its block.
+
+Format 2 added palette mode. A plain tensor is stored exactly as in format 1, so format-1 files
+are read unchanged; a format-1 reader rejects format-2 files by their version number.
 """
 
 from __future__ import annotations
@@ -33,18 +43,43 @@ from typing import Any
 import torch
 
 from edgeinfer.kernels.compression.errors import CorruptDataError, UnsupportedFormatError
+from edgeinfer.kernels.compression.palette import (
+    COUNT_BITS,
+    MAX_PALETTE,
+    field_bytes,
+    n_blocks,
+    unpack_fields,
+)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this code reads: format 1 is format 2 without palette mode.
+READABLE_VERSIONS = (1, 2)
 # Key of the safetensors header metadata that marks a compressed file and describes its tensors.
 METADATA_KEY = "edgeinfer.compression"
 # Stored part names are "<tensor name>" + PART_SEPARATOR + part.
 PART_SEPARATOR = "::ei."
 PARTS = ("code", "offsets", "bits", "raw")
+PALETTE_PARTS = ("counts", "index")
 PAD_BYTES = 8
 # 1024 symbols per chunk: the int32 offset costs 0.03 bit per symbol, and a large tensor still
 # gives tens of thousands of chunks for GPU threads or numpy lanes to decode side by side.
 DEFAULT_CHUNK = 1024
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def stored_parts(entry: dict[str, Any]) -> tuple[str, ...]:
+    """Names of the parts stored for a tensor, from its header metadata entry."""
+    return PARTS + PALETTE_PARTS if entry.get("mode") == "palette" else PARTS
+
+
+@dataclass(frozen=True)
+class Palette:
+    """The palette-mode parts of a tensor (see ``palette.py``); both are uint8 bit fields."""
+
+    block: int
+    width: int
+    counts: torch.Tensor
+    index: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -62,10 +97,11 @@ class CompressedTensor:
     offsets: torch.Tensor
     bits: torch.Tensor
     raw: torch.Tensor
+    palette: Palette | None = None
 
     @property
     def numel(self) -> int:
-        return self.raw.numel()
+        return _prod(self.shape)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -77,27 +113,58 @@ class CompressedTensor:
         return sum(p.numel() * p.element_size() for p in self.parts().values())
 
     def parts(self) -> dict[str, torch.Tensor]:
-        return {"code": self.code, "offsets": self.offsets, "bits": self.bits, "raw": self.raw}
+        parts = {"code": self.code, "offsets": self.offsets, "bits": self.bits, "raw": self.raw}
+        if self.palette is not None:
+            parts.update(counts=self.palette.counts, index=self.palette.index)
+        return parts
+
+    def stream(self) -> CompressedTensor:
+        """The word stream alone, as a plain tensor: the tensor itself in plain mode."""
+        if self.palette is None:
+            return self
+        return CompressedTensor(
+            self.dtype,
+            (self.raw.numel(),),
+            self.chunk,
+            self.code,
+            self.offsets,
+            self.bits,
+            self.raw,
+        )
 
     def to(self, device: torch.device | str) -> CompressedTensor:
         moved = {k: v.to(device) for k, v in self.parts().items()}
-        return CompressedTensor(self.dtype, self.shape, self.chunk, **moved)
+        palette = None
+        if self.palette is not None:
+            counts, index = moved.pop("counts"), moved.pop("index")
+            palette = Palette(self.palette.block, self.palette.width, counts, index)
+        return CompressedTensor(self.dtype, self.shape, self.chunk, **moved, palette=palette)
+
+    def _description(self) -> list[Any]:
+        # A plain tensor is described as in format 1, so format-1 checksums still verify.
+        head: list[Any] = [self.dtype, list(self.shape), self.chunk]
+        if self.palette is not None:
+            head += ["palette", self.palette.block, self.palette.width]
+        return head
 
     def checksum(self) -> int:
         """CRC-32 of the description and of every part (zlib's runs at several GB/s)."""
-        crc = zlib.crc32(json.dumps([self.dtype, list(self.shape), self.chunk]).encode())
+        crc = zlib.crc32(json.dumps(self._description()).encode())
         for part in self.parts().values():
             crc = zlib.crc32(part.detach().cpu().contiguous().view(torch.uint8).numpy().data, crc)
         return crc
 
     def describe(self) -> dict[str, Any]:
         """The JSON-able entry stored for this tensor in the file's header metadata."""
-        return {
+        entry: dict[str, Any] = {
             "dtype": self.dtype,
             "shape": list(self.shape),
             "chunk": self.chunk,
             "crc32": self.checksum(),
         }
+        if self.palette is not None:
+            entry.update(mode="palette", block=self.palette.block, width=self.palette.width)
+        return entry
 
     @classmethod
     def from_parts(
@@ -111,11 +178,18 @@ class CompressedTensor:
                 int(entry["chunk"]),
                 int(entry["crc32"]),
             )
+            mode = entry.get("mode", "plain")
+            palette = None
+            if mode == "palette":
+                block, width = int(entry["block"]), int(entry["width"])
+                palette = Palette(block, width, parts.pop("counts"), parts.pop("index"))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptDataError(f"{where}: malformed compression metadata ({exc})") from exc
         if dtype not in DTYPES:
             raise UnsupportedFormatError(f"{where}: unsupported compressed dtype {dtype!r}")
-        tensor = cls(dtype, shape, chunk, **parts)
+        if mode not in ("plain", "palette"):
+            raise UnsupportedFormatError(f"{where}: unknown compression mode {mode!r}")
+        tensor = cls(dtype, shape, chunk, **parts, palette=palette)
         if tensor.checksum() != crc:
             raise CorruptDataError(f"{where}: checksum mismatch, the compressed data is corrupted")
         tensor.validate(where)
@@ -123,12 +197,11 @@ class CompressedTensor:
 
     def validate(self, where: str) -> None:
         """Structural checks that keep a decoder's reads in bounds, even on crafted input."""
-        n = self.numel
-        chunks = -(-n // self.chunk) if self.chunk > 0 else -1
+        m = self.raw.numel()
+        chunks = -(-m // self.chunk) if self.chunk > 0 else -1
         offsets = self.offsets.cpu()
         ok = (
             self.chunk > 0
-            and n == _prod(self.shape)
             and offsets.dtype == torch.int32
             and self.bits.dtype == self.raw.dtype == self.code.dtype == torch.uint8
             and offsets.numel() == chunks
@@ -136,9 +209,27 @@ class CompressedTensor:
             and (chunks == 0 or int(offsets[0]) == 0)
             and bool(torch.all(offsets[1:] >= offsets[:-1]))
             and (chunks == 0 or int(offsets[-1]) <= self.bits.numel() - PAD_BYTES)
+            and (m == self.numel if self.palette is None else self._palette_ok(m))
         )
         if not ok:
             raise CorruptDataError(f"{where}: inconsistent compressed tensor layout")
+
+    def _palette_ok(self, stream_words: int) -> bool:
+        """The palette fields have their exact sizes and the block sizes sum to the stream."""
+        palette = self.palette
+        max_width = (MAX_PALETTE - 1).bit_length()
+        if palette is None or palette.block <= 0 or not 0 <= palette.width <= max_width:
+            return False
+        blocks = n_blocks(self.numel, palette.block)
+        counts = palette.counts.cpu()
+        if not (
+            counts.dtype == palette.index.dtype == torch.uint8
+            and counts.numel() == field_bytes(blocks, COUNT_BITS)
+            and palette.index.numel() == field_bytes(self.numel, palette.width)
+        ):
+            return False
+        sizes = unpack_fields(counts.numpy(), COUNT_BITS, blocks) + 1
+        return int(sizes.sum()) == stream_words and (self.numel > 0 or stream_words == 0)
 
 
 def _prod(shape: tuple[int, ...]) -> int:

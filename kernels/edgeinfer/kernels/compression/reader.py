@@ -1,9 +1,10 @@
 """Read compressed safetensors checkpoints: the API the engine's weight loader calls.
 
 A compressed file is an ordinary safetensors file: each bf16/fp16 tensor ``name`` is stored as
-the uint8/int32 parts ``name::ei.code``, ``::ei.offsets``, ``::ei.bits`` and ``::ei.raw``, and the
-header metadata key ``edgeinfer.compression`` describes it (dtype, shape, chunk, CRC-32); other
-tensors are stored unchanged under their own names.
+the uint8/int32 parts ``name::ei.code``, ``::ei.offsets``, ``::ei.bits`` and ``::ei.raw`` (plus
+``::ei.counts`` and ``::ei.index`` in palette mode), and the header metadata key
+``edgeinfer.compression`` describes it (dtype, shape, chunk, CRC-32, mode); other tensors are
+stored unchanged under their own names.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from safetensors import safe_open
 from edgeinfer.kernels.compression.cpu_decoder import decode_many_cpu
 from edgeinfer.kernels.compression.errors import CorruptDataError, UnsupportedFormatError
 from edgeinfer.kernels.compression.format import (
-    FORMAT_VERSION,
     METADATA_KEY,
     PART_SEPARATOR,
-    PARTS,
+    READABLE_VERSIONS,
     CompressedTensor,
+    stored_parts,
 )
 
 # The CPU path decodes consecutive tensors of a file together, up to this many output bytes:
-# one lock-step loop over all their chunks amortises numpy's per-call cost over small tensors.
+# the numpy fallback's lock-step loop over all their chunks amortises its per-call cost.
 BATCH_BYTES = 64 << 20
 _ITEM_SIZES = {
     "F64": 8,
@@ -66,8 +67,12 @@ def compression_entries(metadata: dict[str, str], path: Path) -> dict[str, dict[
         version, entries = header["version"], header["tensors"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptDataError(f"{path}: malformed compression header ({exc})") from exc
-    if version != FORMAT_VERSION:
-        raise UnsupportedFormatError(f"{path}: compression format version {version} is unknown")
+    if version not in READABLE_VERSIONS:
+        raise UnsupportedFormatError(
+            f"{path}: compression format version {version} is not supported (this edgeinfer "
+            f"reads versions {', '.join(map(str, READABLE_VERSIONS))}): upgrade edgeinfer, or "
+            "recompress the original checkpoint with this one"
+        )
     return dict(entries)
 
 
@@ -84,7 +89,7 @@ def is_compressed_checkpoint(path: str | Path) -> bool:
 
 
 def decompress(tensor: CompressedTensor) -> torch.Tensor:
-    """Decode on the device that holds the parts: Triton on CUDA, numpy on the CPU."""
+    """Decode on the device that holds the parts: Triton on CUDA, numba (or numpy) on the CPU."""
     if tensor.bits.is_cuda:
         from edgeinfer.kernels.compression.triton_decoder import decode_triton
 
@@ -157,7 +162,9 @@ class CompressedSafetensorsReader:
     def stored_nbytes(self, name: str) -> int:
         """Bytes the tensor takes in the file (all its parts when compressed)."""
         handle, _, entry = self._lookup(name)
-        keys = [name] if entry is None else [f"{name}{PART_SEPARATOR}{p}" for p in PARTS]
+        keys = (
+            [name] if entry is None else [f"{name}{PART_SEPARATOR}{p}" for p in stored_parts(entry)]
+        )
         total = 0
         for key in keys:
             view = handle.get_slice(key)
@@ -172,7 +179,9 @@ class CompressedSafetensorsReader:
         if entry is None:
             return None
         try:
-            parts = {p: handle.get_tensor(f"{name}{PART_SEPARATOR}{p}") for p in PARTS}
+            parts = {
+                p: handle.get_tensor(f"{name}{PART_SEPARATOR}{p}") for p in stored_parts(entry)
+            }
         except Exception as exc:  # a missing part surfaces as a safetensors error
             raise CorruptDataError(f"{file}: tensor {name} has missing parts ({exc})") from exc
         return CompressedTensor.from_parts(entry, parts, f"{file}: tensor {name}")

@@ -1,6 +1,10 @@
 """Triton GPU decoder: one lane per chunk, one symbol per lane per step, output written in place.
 
-Each program decodes ``BLOCK`` chunks side by side. A lane peeks ``max_len`` bits at its bit
+The word stream is decoded by ``_decode_kernel``; a palette-mode tensor then takes one more,
+trivially parallel pass (``_palette_kernel``, one thread per element) that looks each element's
+word up in its block's palette, whose start comes from a prefix sum of the block sizes.
+
+Each program of ``_decode_kernel`` decodes ``BLOCK`` chunks side by side. A lane peeks ``max_len`` bits at its bit
 position (three byte loads cover 12 + 7 bits), looks the window up in the single-symbol table
 (``symbol | length << 8``; 2**max_len <= 4096 entries, so it stays in L1), joins the symbol with
 the raw byte and stores the final 16-bit word. Runs on CUDA, and on the CPU under
@@ -15,8 +19,10 @@ import triton.language as tl
 
 from edgeinfer.kernels.compression.format import PAD_BYTES, CompressedTensor
 from edgeinfer.kernels.compression.huffman import decode_table
+from edgeinfer.kernels.compression.palette import COUNT_BITS, n_blocks
 
 BLOCK = 128
+PALETTE_BLOCK = 1024
 
 
 @triton.jit
@@ -57,26 +63,85 @@ def _decode_kernel(
         pos += (entry >> 8).to(tl.int64)
 
 
-def decode_triton(tensor: CompressedTensor) -> torch.Tensor:
-    """Decode on the device holding ``tensor``'s parts; returns a tensor there, bit for bit."""
-    device = tensor.bits.device
-    table, max_len = decode_table(tensor.code.cpu().numpy())
+@triton.jit
+def _palette_kernel(
+    palette_ptr,
+    starts_ptr,
+    index_ptr,
+    out_ptr,
+    n,
+    last,
+    block,
+    width,
+    field_mask,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    start = tl.load(starts_ptr + i // block, mask=ok, other=0)
+    # The element's index field: one two-byte read (the fields are followed by FIELD_PAD bytes).
+    bit = i * width
+    lo = tl.load(index_ptr + (bit >> 3), mask=ok, other=0).to(tl.int32)
+    hi = tl.load(index_ptr + (bit >> 3) + 1, mask=ok, other=0).to(tl.int32)
+    field = ((lo | (hi << 8)) >> (bit & 7).to(tl.int32)) & field_mask
+    # Clamp: a position past the palette (crafted input only) must stay in bounds.
+    where = tl.minimum(start + field, last)
+    word = tl.load(palette_ptr + where, mask=ok, other=0)
+    tl.store(out_ptr + i, word, mask=ok)
+
+
+def _decode_stream(stream: CompressedTensor) -> torch.Tensor:
+    """The flat int16 words of a word stream, on its device."""
+    device = stream.bits.device
+    table, max_len = decode_table(stream.code.cpu().numpy())
     table_dev = torch.from_numpy(table.astype("int32")).to(device)
-    out = torch.empty(tensor.numel, dtype=torch.int16, device=device)
-    n_chunks = tensor.offsets.numel()
+    m = stream.raw.numel()
+    out = torch.empty(m, dtype=torch.int16, device=device)
+    n_chunks = stream.offsets.numel()
     if n_chunks:
         _decode_kernel[(triton.cdiv(n_chunks, BLOCK),)](
-            tensor.bits,
-            tensor.offsets,
-            tensor.raw,
+            stream.bits,
+            stream.offsets,
+            stream.raw,
             table_dev,
             out,
-            tensor.numel,
+            m,
             n_chunks,
-            tensor.bits.numel() - PAD_BYTES,
+            stream.bits.numel() - PAD_BYTES,
             (1 << max_len) - 1,
-            tensor.chunk,
+            stream.chunk,
             BLOCK=BLOCK,
-            ROTATE=tensor.dtype == "bfloat16",
+            ROTATE=stream.dtype == "bfloat16",
         )
-    return out.view(tensor.torch_dtype).reshape(tensor.shape)
+    return out
+
+
+def _block_starts(counts: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Where each block's palette starts (int64): the prefix sum of the stored sizes - 1."""
+    bit = torch.arange(blocks, device=counts.device) * COUNT_BITS
+    packed = counts.to(torch.int64)
+    two = packed[bit >> 3] | (packed[(bit >> 3) + 1] << 8)
+    sizes = ((two >> (bit & 7)) & ((1 << COUNT_BITS) - 1)) + 1
+    return torch.cumsum(sizes, 0) - sizes
+
+
+def decode_triton(tensor: CompressedTensor) -> torch.Tensor:
+    """Decode on the device holding ``tensor``'s parts; returns a tensor there, bit for bit."""
+    words = _decode_stream(tensor.stream())
+    fields = tensor.palette
+    if fields is not None and tensor.numel:
+        out = torch.empty(tensor.numel, dtype=torch.int16, device=words.device)
+        _palette_kernel[(triton.cdiv(tensor.numel, PALETTE_BLOCK),)](
+            words,
+            _block_starts(fields.counts, n_blocks(tensor.numel, fields.block)),
+            fields.index,
+            out,
+            tensor.numel,
+            words.numel() - 1,
+            fields.block,
+            fields.width,
+            (1 << fields.width) - 1,
+            BLOCK=PALETTE_BLOCK,
+        )
+        words = out
+    return words.view(tensor.torch_dtype).reshape(tensor.shape)
