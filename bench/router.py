@@ -10,9 +10,12 @@ prompt lengths.
 Two measurements, in decisions per CPU second of the (single-threaded) benchmark process, each
 the best (and the median) of ten rounds, because a shared host perturbs single rounds:
 
-* ``static``: decisions against one snapshot (the common case between heartbeats);
-* ``churn``: one heartbeat applied every ``daemons / (interval * rate)`` decisions, i.e. every
-  daemon beating every 5 s at the measured rate, so snapshot rebuilds are paid for.
+* ``static``: decisions against one snapshot, nothing recorded (the selector alone);
+* ``churn``: the production loop: one heartbeat applied every ``daemons / (interval * rate)``
+  decisions, i.e. every daemon beating every 5 s at the measured rate, so snapshot rebuilds are
+  paid for, and every decision recorded in the registry's ledger of pending placements (as the
+  proxy does) on a clock advancing at that rate, so the per-placement row updates, the ledger
+  and its absorption by heartbeats are paid for too.
 
 ``latency``: p50/p99 of TTFT and of whole streamed responses, direct to a fake daemon vs through
 an ``edge-router`` process, in the same run (see ``router_latency.py``).
@@ -45,7 +48,12 @@ from typing import Any  # noqa: E402
 from edgeinfer.router.geo import GeoPoint  # noqa: E402
 from edgeinfer.router.network import NetworkModel  # noqa: E402
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry  # noqa: E402
-from edgeinfer.router.selector import PlacementConfig, RequestFeatures, select  # noqa: E402
+from edgeinfer.router.selector import (  # noqa: E402
+    PlacementConfig,
+    RequestFeatures,
+    record_placement,
+    select,
+)
 from edgeinfer.shared.heartbeat import Heartbeat  # noqa: E402
 from router_latency import bench_latency  # noqa: E402
 
@@ -138,17 +146,26 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
         several rounds: on a shared host other processes take turns on the core."""
         rates = []
         views, i = registry.snapshot(now), 0
+        pending = registry.pending if churn_every else None
+        # Simulated seconds per decision: heartbeats every churn_every decisions are the
+        # daemons' 5 s period at this rate.
+        tick = len(daemons) / HEARTBEAT_INTERVAL_S * churn_every if churn_every else 0.0
         for _ in range(rounds):
             start = time.process_time()
             for _ in range(n // rounds):
+                t = now + i / tick if churn_every else now
                 if churn_every and i % churn_every == 0:
                     url, pop = daemons[(i // churn_every) % len(daemons)]
-                    registry.update(synthetic_heartbeat(url, pop, seqs[url], rng), now)
+                    registry.update(synthetic_heartbeat(url, pop, seqs[url], rng), t)
                     seqs[url] += 1
-                    views = registry.snapshot(now)
+                    views = registry.snapshot(t)
                 client, feats = reqs[i % len(reqs)]
-                if not select(views, client, feats, net, cfg, sel_rng, pops[0].name):
+                found = select(views, client, feats, net, cfg, sel_rng, pops[0].name,
+                               pending=pending, now=t if pending else None)  # fmt: skip
+                if not found:
                     raise RuntimeError("benchmark world has no placement for a request")
+                if pending is not None:
+                    record_placement(pending, found[0], feats, t)
                 i += 1
             rates.append(n // rounds / (time.process_time() - start))
         return rates

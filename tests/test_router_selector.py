@@ -1,4 +1,5 @@
-"""Placement: nearest PoP at equal load, spill and return, exclusions, SLO, roles, near ties.
+"""Placement: nearest PoP at equal load, spill and return, exclusions, SLO, roles, near ties,
+and the load this router placed since the heartbeats (spread, reset, drain, row updates).
 
 PoPs sit on cities of MaxMind's test database, so clients are located by real lookups.
 """
@@ -10,12 +11,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from edgeinfer.router import load_arrays
 from edgeinfer.router.geo import ClientLocator, GeoPoint
 from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.pop_registry import DaemonView, PopConfig, PopRegistry
-from edgeinfer.router.selector import Placement, PlacementConfig, RequestFeatures, select
+from edgeinfer.router.selector import (
+    Placement,
+    PlacementConfig,
+    RequestFeatures,
+    record_placement,
+    select,
+)
 from edgeinfer.shared.heartbeat import Heartbeat
 
 DB = Path(__file__).parent / "data" / "geoip" / "GeoIP2-City-Test.mmdb"
@@ -188,3 +197,103 @@ def test_nothing_available_means_no_placement() -> None:
         select(views, LONDON, RequestFeatures(10, 10, None), NET, CFG, random.Random(), "x") == []
     )
     assert World().place() == []
+
+
+def burst(w: World, n: int, now: float, prompt: int = 800) -> Counter[str]:
+    """``n`` placements between two heartbeats, each recorded as the proxy does."""
+    rng, picks = random.Random(2), Counter[str]()
+    for _ in range(n):
+        views = w.reg.snapshot(now)
+        f = RequestFeatures(prompt, 128, "m")
+        best = select(views, LONDON, f, NET, CFG, rng, "lon", pending=w.reg.pending, now=now)[0]
+        record_placement(w.reg.pending, best, f, now)
+        picks[best.decode.url] += 1
+    return picks
+
+
+def test_a_burst_between_heartbeats_spreads_over_daemons() -> None:
+    """Without the ledger all 40 go to the less loaded daemon (see the near-tie test); with it
+    the other one takes its share once the first has caught up."""
+    w = World({"lon": ("http://lon-a:8000", "http://lon-b:8000")})
+    w.beat("http://lon-a:8000", running=2)
+    w.beat("http://lon-b:8000", running=6)
+    picks = burst(w, 40, w.now)
+    assert picks["http://lon-a:8000"] > picks["http://lon-b:8000"] >= 12
+    # ...and the prefill queues they add are priced: each placement waits for the ones before.
+    views = w.reg.snapshot(w.now)
+    f = RequestFeatures(800, 128, "m")
+    rng = random.Random(0)
+    queued = select(views, LONDON, f, NET, CFG, rng, "lon", pending=w.reg.pending, now=w.now)
+    assert queued[0].breakdown["prefill_queue_s"] > 10 * 800 / 10_000.0
+
+
+def test_a_heartbeat_that_includes_the_burst_replaces_it() -> None:
+    w = World({"lon": ("http://lon-a:8000",)})
+    w.beat("http://lon-a:8000", running=2)
+    burst(w, 10, w.now)
+    pending = w.reg.pending
+    assert pending.totals("http://lon-a:8000")[0] == 10
+    # Well past the network lag and the daemon's report lag (half of the 5 s period).
+    w.now += 3.0
+    w.beat("http://lon-a:8000", running=12, queued_prefill_tokens=0)
+    assert tuple(pending.totals("http://lon-a:8000")) == (0.0, 0.0, 0.0)
+    views = w.reg.snapshot(w.now)
+    f = RequestFeatures(800, 128, "m")
+    best = select(views, LONDON, f, NET, CFG, random.Random(0), "lon", pending=pending, now=w.now)
+    # Priced from the heartbeat alone: 12 running (not 22), no queue (the burst was prefilled).
+    assert best[0].itl_s == pytest.approx(13 / 500.0)
+    assert best[0].breakdown["prefill_queue_s"] == 0.0
+
+
+def test_pending_prefill_drains_with_time() -> None:
+    """Pending prompt tokens are worked off as the seconds pass: 10 x 800 tokens at 10k tokens/s
+    are 0.8 s of work, gone 1 s later even though no heartbeat has come."""
+    w = World({"lon": ("http://lon-a:8000",)})
+    w.beat("http://lon-a:8000")
+    burst(w, 10, w.now)
+    f = RequestFeatures(800, 128, "m")
+    at = {}
+    for dt in (0.0, 0.4, 1.0):
+        views = w.reg.snapshot(w.now + dt)
+        p = select(views, LONDON, f, NET, CFG, random.Random(0), "lon",
+                   pending=w.reg.pending, now=w.now + dt)[0]  # fmt: skip
+        at[dt] = p.breakdown["prefill_queue_s"]
+    assert at[0.0] == pytest.approx(0.8) and at[0.4] == pytest.approx(0.4) and at[1.0] == 0.0
+
+
+def test_updates_per_placement_match_a_rebuild() -> None:
+    """The arrays updated row by row equal arrays built afresh from the same ledger."""
+    daemons = {
+        "lon": ("http://lon-d:8000", "http://lon-p1:8000", "http://lon-p2:8000"),
+        "sea": ("http://sea-d:8000", "http://sea-p:8000", "http://sea-b:8000"),
+        "cgq": ("http://cgq-b:8000",),
+    }
+    w = World(daemons)
+    for urls in daemons.values():
+        for url in urls:
+            role = url.split("-")[1][0]
+            w.beat(url, role={"d": "decode", "p": "prefill", "b": "both"}[role],
+                   queued_prefill_tokens=1000 * len(url) % 7000)  # fmt: skip
+    now = w.now
+    rng = random.Random(3)
+    views = w.reg.snapshot(now)
+    for _ in range(60):
+        f = RequestFeatures(rng.choice([100, 900, 5000, 20_000]), 200, "m")
+        client = GeoPoint(*COORDS[rng.choice(list(COORDS))])
+        best = select(views, client, f, NET, CFG, rng, "lon", pending=w.reg.pending, now=now)[0]
+        record_placement(w.reg.pending, best, f, now)
+    live = load_arrays.prepared(views, NET, CFG, w.reg.pending).arrays("m", now)
+    fresh = load_arrays.LoadArrays(views, "m", live.geo, CFG, w.reg.pending, now)
+    assert live.version == fresh.version
+    np.testing.assert_allclose(live.p_end, fresh.p_end)
+    # Co-located peers are chosen per snapshot: compare the rows whose peer a rebuild keeps.
+    same = np.asarray(live.colo) == np.asarray(fresh.colo)
+    assert same.sum() >= len(same) - 2
+    np.testing.assert_allclose(live.d_rows[same], fresh.d_rows[same])
+    np.testing.assert_allclose(live.d_static, fresh.d_static)
+    for name in ("own_short", "own_long"):
+        np.testing.assert_allclose(getattr(live, name)[same], getattr(fresh, name)[same])
+    assert live.load == pytest.approx(fresh.load)
+    # The pruning keys may lag the pool's minima, but only downwards: still lower bounds.
+    for name in ("key_short", "key_long", "pooled_short", "pooled_long"):
+        assert np.all(np.asarray(getattr(live, name)) <= np.asarray(getattr(fresh, name)) + 1e-9)

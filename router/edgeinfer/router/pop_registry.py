@@ -4,6 +4,10 @@ Every writer (heartbeat listener, proxy, admin API, RTT prober) goes through the
 :meth:`PopRegistry.snapshot` returns immutable :class:`DaemonView` s in a list that stays the same
 object until something changes (do not mutate it), so the selector caches arrays on identity.
 Only changed daemons get a new view. Time (``now``, monotonic s) is passed in for tests.
+
+The registry also holds :attr:`PopRegistry.pending`, the placements this router made that the
+heartbeats do not show yet (:mod:`edgeinfer.router.inflight`): each accepted heartbeat absorbs
+what it probably includes, a restart or a removal forgets the daemon's.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from edgeinfer.router.errors import RouterError
+from edgeinfer.router.inflight import PlacementLedger
 from edgeinfer.shared.heartbeat import Heartbeat, Role
 
 # A daemon silent for this many heartbeat periods is out until it speaks again: one lost
@@ -116,6 +121,8 @@ class PopRegistry:
         self._dirty: set[str] = set()
         self._snapshot: list[DaemonView] | None = None
         self._valid: tuple[float, float] = (0.0, 0.0)  # [built at, first freshness expiry)
+        # Daemons refresh the load they report twice per period (daemon.load_report).
+        self.pending = PlacementLedger(report_lag_s=heartbeat_interval_s / 2)
         self.replace_pops(pops)
 
     def replace_pops(self, pops: Sequence[PopConfig]) -> None:
@@ -132,6 +139,8 @@ class PopRegistry:
                     raise RouterError(f"daemon {url!r} is in PoPs {owner[url]!r} and {pop.name!r}")
                 owner[url] = pop.name
         old = self._daemons
+        for url in old.keys() - owner.keys():
+            self.pending.forget(url)
         self._daemons = {
             url: dataclasses.replace(old[url], pop=pop) if url in old else DaemonState(url, pop)
             for url, pop in owner.items()
@@ -175,6 +184,10 @@ class PopRegistry:
         ):
             return "out_of_order"
         restart = prev is not None and hb.started_at != prev.started_at
+        if restart:
+            self.pending.forget(state.url)  # the new process has none of the old one's work
+        else:
+            self.pending.absorb(state.url, now)
         state.heartbeat, state.last_seen, state.down_since = hb, now, None
         self._dirty.add(state.url)
         return "restart" if restart else "accepted"
@@ -238,6 +251,7 @@ class PopRegistry:
         seen = [d.last_seen for d in self._daemons.values() if d.last_seen is not None]
         self._valid = (now, min((t + period for t in seen if t + period >= now), default=math.inf))
         self._snapshot = [self._views[url] for url in self._daemons]
+        self.pending.trim()  # arrays built for the new list start from the ledger's totals
         return self._snapshot
 
     def _known_pop(self, name: str) -> str:

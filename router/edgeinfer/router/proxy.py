@@ -35,7 +35,7 @@ from edgeinfer.router.openai_api import (
     sse_error_event,
 )
 from edgeinfer.router.pop_registry import PopRegistry
-from edgeinfer.router.selector import Placement, PlacementConfig, select
+from edgeinfer.router.selector import Placement, PlacementConfig, record_placement, select
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ class Proxy:
         features = request_features(body)
         ip = self.locator.client_ip(request.remote, request.headers)
         client = self.locator.locate(ip)
-        views = self.registry.snapshot(time.monotonic())
+        now = time.monotonic()
+        views = self.registry.snapshot(now)
         limit = 1 + self.config.max_retries
         here = self.registry.pop(self.config.here)
         placements = select(
@@ -135,6 +136,8 @@ class Proxy:
             self.config.here,
             limit,
             here_point=GeoPoint(here.lat, here.lon),
+            pending=self.registry.pending,
+            now=now,
         )
         if not placements:
             return no_placement(views, features)
@@ -145,9 +148,13 @@ class Proxy:
         for placement in placements:
             if not self._still_placeable(placement):
                 continue  # drained since select() ran: a drain is acknowledged at once
+            # Counted on the daemons until their heartbeats show it, so the next decisions
+            # do not price the same stale load; a placement that never got there is not.
+            ticket = record_placement(self.registry.pending, placement, features, time.monotonic())
             try:
                 return await self._attempt(request, body, placement)
             except _Failure as failure:
+                self.registry.pending.cancel(ticket)
                 failures.append(failure)
                 where = f"{request.path} via {placement.decode.url}"
                 log.warning("%s failed before its first byte (%s)", where, failure.reason)

@@ -28,6 +28,7 @@ POP_FAIL = 6  # a: PoP index
 POP_RECOVER = 7  # a: PoP index
 POP_DRAIN = 8  # a: PoP index, b: 1 drain, 0 undrain
 BUCKET = 9  # utilisation sample boundary
+STATS = 10  # a: engine refreshes the load snapshot its heartbeats report
 
 # Request status codes (Requests.status).
 PENDING, DONE, FAILED, REJECTED = 0, 1, 2, 3

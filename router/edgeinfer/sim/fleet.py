@@ -1,7 +1,9 @@
 """What daemons tell the router and what happens to PoPs: heartbeats, failures, drains.
 
 Heartbeats are real :class:`Heartbeat` objects into the real registry, so staleness, the
-``kv_full`` state and drains reach the selector exactly as in production. A failed PoP stops
+``kv_full`` state and drains reach the selector exactly as in production. As the daemon does
+(``daemon.load_report``), a heartbeat carries the counts of a load snapshot refreshed twice per
+period, on its own clock, and the rates of the moment. A failed PoP stops
 beating and is placed on until its daemons go stale (three periods) or a placement's connect
 fails; its in-flight requests are lost and counted, and prefill jobs it held for other PoPs fall
 back to their decode daemon, as the daemon does when its prefill peer disappears.
@@ -29,20 +31,27 @@ def warm_rates(sim: Simulation, e: Engine) -> None:
     e.window[6] = 16 / (prof.decode_fixed_s + prof.decode_s(16, 16 * 1024))
 
 
+def refresh(sim: Simulation, e: Engine) -> None:
+    """The daemon's periodic copy of its engine's counts, which its heartbeats report."""
+    running, waiting = e.counts()
+    sim.stats[e.idx] = (running, waiting, e.kv_free, e.queued_tokens, len(sim.inflight[e.idx]))
+
+
 def heartbeat(sim: Simulation, e: Engine, now: float) -> None:
     if not e.alive:
         return
-    running, waiting, prefill_rate, decode_rate, itl = e.load()
+    running, waiting, kv_free, queued, in_flight = sim.stats[e.idx]
+    prefill_rate, decode_rate, itl = e.rates()
     sim.hb_seq[e.idx] += 1
     host = e.url.removeprefix("http://").removesuffix(":8000")
     hb = Heartbeat(
         daemon_id=e.url, pop=sim.topo.pops[e.pop].name, role=e.role,  # type: ignore[arg-type]
         model=MODEL, kv_endpoint=None if e.role == "decode" else f"tcp://{host}:5600",
-        running=running, waiting=waiting, kv_blocks_free=e.kv_free, kv_blocks_total=e.kv_total,
+        running=running, waiting=waiting, kv_blocks_free=kv_free, kv_blocks_total=e.kv_total,
         block_size=e.block_size, prefill_tokens_per_s=prefill_rate,
         decode_tokens_per_s=decode_rate, ttft_p50_s=None, itl_p50_s=itl,
-        queued_prefill_tokens=e.queued_tokens, draining=False, drained=False,
-        in_flight=len(sim.inflight[e.idx]), seq=sim.hb_seq[e.idx],
+        queued_prefill_tokens=queued, draining=False, drained=False,
+        in_flight=in_flight, seq=sim.hb_seq[e.idx],
         started_at=sim.incarnation[e.idx], sent_at=sim.incarnation[e.idx] + now,
     )  # fmt: skip
     sim.registry.update(hb, CLOCK0 + now)
@@ -74,6 +83,7 @@ def outage(sim: Simulation, kind: int, pop: int, on: int, now: float) -> None:
             e.reset()
             sim.incarnation[e.idx] += 1.0
             sim.hb_seq[e.idx] = 0
+            refresh(sim, e)
             heartbeat(sim, e, now)
     elif kind == POP_DRAIN:
         sim.registry.drain_pop(sim.topo.pops[pop].name, bool(on))

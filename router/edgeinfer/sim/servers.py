@@ -229,9 +229,13 @@ class Engine:
         self.admit(now)
         self.start_step(now)
 
-    def load(self) -> tuple[int, int, float, float, float | None]:
-        """running, waiting, prefill and decode tokens per busy s, mean decode step (the ITL);
-        resets the window (called once per heartbeat)."""
+    def counts(self) -> tuple[int, int]:
+        """Running (decoding or prefilling here) and waiting requests."""
+        return self.n_running + min(len(self.prefill_q), self.max_seqs), len(self.waiting)
+
+    def rates(self) -> tuple[float, float, float | None]:
+        """Prefill and decode tokens per busy s, mean decode step (the ITL); resets the window
+        (called once per heartbeat)."""
         w = self.window
         if w[0] > 0:
             w[5] = w[1] / w[0]
@@ -239,5 +243,4 @@ class Engine:
             w[6] = w[3] / w[2]
         itl = w[2] / w[4] if w[4] else None
         w[0] = w[1] = w[2] = w[3] = w[4] = 0.0
-        running = self.n_running + min(len(self.prefill_q), self.max_seqs)
-        return running, len(self.waiting), w[5], w[6], itl
+        return w[5], w[6], itl

@@ -6,7 +6,8 @@ travels half the client RTT to its decode engine and waits for admission there; 
 prefill its job travels half the P-D RTT, queues and computes on P, and its pages come back
 (the part of the transfer not hidden behind compute, plus half the RTT); it decodes at D; its
 first token goes back half the client RTT. RTTs are the router's fibre floor times log-normal
-jitter. Daemons report through real heartbeats into a real ``PopRegistry`` every period.
+jitter. Daemons report through real heartbeats into a real ``PopRegistry`` every period, and
+every placement is recorded in its ledger of pending placements as the proxy does.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from edgeinfer.sim.events import (
     POP_FAIL,
     POP_RECOVER,
     REJECTED,
+    STATS,
     STEP_END,
     EventQueue,
     Requests,
     SimConfig,
 )
-from edgeinfer.sim.fleet import CLOCK0, MODEL, heartbeat, outage, warm_rates
+from edgeinfer.sim.fleet import CLOCK0, MODEL, heartbeat, outage, refresh, warm_rates
 from edgeinfer.sim.policies import Policy
 from edgeinfer.sim.profile import EngineProfile
 from edgeinfer.sim.servers import Engine, Job
@@ -88,6 +90,9 @@ class Simulation:
         self.geo = PopGeometry({p.name: (p.lat, p.lon) for p in topo.pops}, cfg.net)
         self.inflight: list[set[int]] = [set() for _ in self.engines]
         self.hb_seq = [0] * len(self.engines)
+        # Per engine: the load snapshot its heartbeats report (running, waiting, KV blocks
+        # free, queued prompt tokens, in flight), refreshed on its own clock (fleet.refresh).
+        self.stats: list[tuple[int, int, int, int, int]] = [(0, 0, 0, 0, 0)] * len(self.engines)
         self.incarnation = [1.7e9] * len(self.engines)
         rng = np.random.default_rng(cfg.seed)
         n = len(work)
@@ -143,12 +148,16 @@ class Simulation:
         q, engines, cfg = self.q, self.engines, self.cfg
         self.last_arrival = float(self.work.t[-1])
         rng = np.random.default_rng(cfg.seed + 1)
-        phases = rng.uniform(0, cfg.heartbeat_interval_s, len(engines))
+        period = cfg.heartbeat_interval_s
+        phases = rng.uniform(0, period, len(engines))
+        refreshes = rng.uniform(0, period / 2, len(engines))
         slot = cfg.heartbeat_slot_s
-        for e, phase in zip(engines, phases.tolist()):
+        for e, phase, r in zip(engines, phases.tolist(), refreshes.tolist()):
             warm_rates(self, e)
+            refresh(self, e)
             self._heartbeat(e, 0.0)  # a warm start: every daemon has spoken once
             q.push(round(phase / slot) * slot if slot > 0 else phase, HEARTBEAT, e.idx)
+            q.push(r, STATS, e.idx)
         index = {p.name: i for i, p in enumerate(self.topo.pops)}
         for o in cfg.outages:
             if o.pop not in index or o.kind not in ("fail", "drain"):
@@ -185,6 +194,10 @@ class Simulation:
                 self._heartbeat(engines[a], t)
                 if t < self.last_arrival:
                     q.push(t + cfg.heartbeat_interval_s, HEARTBEAT, a)
+            elif kind == STATS:
+                refresh(self, engines[a])
+                if t < self.last_arrival:
+                    q.push(t + cfg.heartbeat_interval_s / 2, STATS, a)
             elif kind == BUCKET:
                 self._bucket()
                 if t < self.last_arrival or i < n:
@@ -198,8 +211,9 @@ class Simulation:
         views = self.registry.snapshot(CLOCK0 + now)
         f = RequestFeatures(reqs.prompt[r], reqs.output[r], MODEL)
         lat, lon = float(work.lat[r]), float(work.lon[r])
-        delay = 0.0
-        for d_url, p_url in self.policy.place(views, lat, lon, f, self.here[r]):
+        delay, pending = 0.0, self.registry.pending
+        choices = self.policy.place(views, pending, lat, lon, f, self.here[r], CLOCK0 + now)
+        for k, (d_url, p_url) in enumerate(choices):
             d = self.by_url[d_url]
             if not d.alive:
                 # The proxy's connect fails after a timeout; the daemon is out until it beats.
@@ -216,6 +230,7 @@ class Simulation:
             floor = math.acos(dot) * self.s_per_rad + self.cfg.net.fixed_rtt_ms * 1e-3
             reqs.net[r] = rtt = floor * self.jitter[0][r]
             self.inflight[d.idx].add(r)
+            self.policy.placed(k, f, pending, CLOCK0 + now + delay)
             self.q.push(now + delay + rtt / 2, AT_DECODE, r)
             return
         reqs.status[r] = REJECTED

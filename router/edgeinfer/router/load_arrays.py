@@ -1,0 +1,337 @@
+"""The selector's inputs: every daemon's load as arrays, per snapshot, kept current per placement.
+
+A registry snapshot changes only when a heartbeat (or an admin action) does; the arrays built
+from it cost ~1 ms at 600 daemons, so they are built once per snapshot and model. Between
+heartbeats the router's own placements change the load it should price
+(:mod:`edgeinfer.router.inflight`): each one updates only the rows it touches (the decode
+daemon, the prefill daemon and the decode daemons whose co-located prefill peer it is) in plain
+Python, which must agree with the vectorized build (a test checks it does).
+
+Prefill queues are kept as the time they end (``*_end``, on the registry's clock): a daemon works
+through its queue at its rate, so the queue a heartbeat reported is ``end - now`` seconds long a
+moment later, and a placement of n tokens moves the end to ``max(end, now) + n / rate``. The
+pending placements join it as what is left of them, each started when it was placed
+(``PlacementLedger.prefill_end``). Without the drain, placements added since a heartbeat (5 s
+ago) would pile up on queues long worked off, and every prefill daemon would look seconds
+busier than it is. The snapshot a heartbeat reports was taken on average half the daemons'
+report lag before it arrived. Decode load (running sequences, free KV) is not drained: finishing
+requests are not predicted, so it errs busy until the next heartbeat. Without a clock (``now``
+None) queues are priced as reported.
+
+Remote prefill is priced per D against its best *co-located* prefill daemon (no transfer) and a
+pool of the cheapest ones for a short and for a long prompt: a far prefill daemon that is
+neither cheap nor near can only lose, its pages must travel. Pool and co-located peers are
+chosen per snapshot (every heartbeat: ~100 a second at 600 daemons, and with few daemons every
+prefill daemon is in the pool); between, they are priced as placements load them, while a
+daemon outside them that has become the cheaper one waits for the next snapshot. The pruning
+keys are exact for the rows a placement touched and lower bounds elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from edgeinfer.router.inflight import Change, PlacementLedger
+from edgeinfer.router.network import (
+    EARTH_RADIUS_KM,
+    FloatArray,
+    IntArray,
+    NetworkModel,
+    PopGeometry,
+    pop_geometry,
+)
+from edgeinfer.router.pop_registry import DaemonView
+
+BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    itl_slo_s: float = 0.1
+    near_tie_s: float = 0.02
+    # bf16 Llama-3-8B: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
+    kv_bytes_per_token: int = 131_072
+    local_prefill_max_tokens: int = 512  # keep equal to the daemons' local_prefill_threshold
+    prefill_chunk_tokens: int = 2048  # the last chunk's pages cannot hide behind compute
+    # Used until a daemon has measured itself (rates are 0 in its first heartbeats).
+    default_prefill_tokens_per_s: float = 5000.0
+    default_decode_tokens_per_s: float = 1000.0
+    default_itl_s: float = 0.03
+    mean_output_tokens: int = 256  # how long a running request holds its slot, on average
+    decode_candidates: int = 8  # D kept after the lower-bound pass
+    prefill_pool: int = 8  # cheapest prefill daemons priced for every kept D (per prompt size)
+
+
+class LoadArrays:
+    """Per-snapshot, per-model load of the available daemons; ``d_*`` has one entry per
+    decode-capable daemon, ``p_*`` per daemon that can prefill for others."""
+
+    def __init__(
+        self, views: Sequence[DaemonView], model: str, geo: PopGeometry, cfg: PlacementConfig,
+        pending: PlacementLedger | None, now: float | None,
+    ) -> None:  # fmt: skip
+        self.cfg, self.geo = cfg, geo
+        self.version = pending.version if pending is not None else 0
+        t = now if now is not None else 0.0
+        age = pending.report_lag_s / 2 if pending is not None else 0.0
+        mine = [v for v in views if v.available and v.model == model]
+        self.d = d = [v for v in mine if v.role in ("decode", "both")]
+        self.p = p = [v for v in mine if v.role in ("prefill", "both") and v.kv_endpoint]
+        self.d_of = {v.url: i for i, v in enumerate(d)}
+        self.p_of = {v.url: i for i, v in enumerate(p)}
+
+        # One pass per side into a 2-D array: this runs per heartbeat (~100/s at 600 daemons).
+        dm = np.asarray([
+            (v.running, v.waiting, v.kv_blocks_free * v.block_size,
+             v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s,
+             v.decode_tokens_per_s or cfg.default_decode_tokens_per_s,
+             v.queued_prefill_tokens, 0.0, v.last_seen or 0.0, v.rtt_s or 0.0,
+             v.itl_p50_s if v.itl_p50_s is not None else cfg.default_itl_s,
+             v.role == "both", geo.index[v.pop], v.decode_tokens_per_s > 0)
+            for v in d
+        ], dtype=np.float64).reshape(len(d), 13)  # fmt: skip
+        pm = np.asarray([
+            (v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s, v.queued_prefill_tokens,
+             0.0, v.last_seen or 0.0, geo.index[v.pop])
+            for v in p
+        ], dtype=np.float64).reshape(len(p), 5)  # fmt: skip
+        # What this router placed since: sequences and KV on D, and of the prefill work what is
+        # not done by now (all of it without a clock), in seconds, on whoever prefills.
+        d_of, p_of, clock = self.d_of, self.p_of, now is not None
+        on_d, on_p = [], []
+        for url, (seqs, kv, tokens), end in pending.items() if pending is not None else ():
+            if (i := d_of.get(url)) is not None:
+                on_d.append((i, seqs, kv, tokens, end))
+            if (j := p_of.get(url)) is not None:
+                on_p.append((j, tokens, end))
+        if on_d:
+            i_, seqs_, kv_, tokens_, end_ = np.asarray(on_d).T
+            i = i_.astype(np.intp)
+            dm[i, 0] += seqs_
+            dm[i, 2] -= kv_
+            dm[i, 6] = np.maximum(end_ - t, 0.0) if clock else tokens_ / dm[i, 3]
+        if on_p:
+            j_, tokens_, end_ = np.asarray(on_p).T
+            j = j_.astype(np.intp)
+            pm[j, 2] = np.maximum(end_ - t, 0.0) if clock else tokens_ / pm[j, 0]
+        # When the snapshot a heartbeat carried was taken, on average (see the module doc).
+        dm[:, 7] -= age
+        pm[:, 3] -= age
+        # Raw load as Python lists: per-placement updates read and write them one at a time.
+        cols = dm.T.tolist()
+        self.running, self.waiting, self.free = cols[:3]
+        self.d_rate, self.p50 = cols[4], cols[9]
+        local_inv = 1.0 / dm[:, 3]
+        self.local_inv = local_inv.tolist()
+        # The reported queue drains from when it was reported; what is pending joins it now.
+        local_end = (
+            np.maximum(dm[:, 7] + dm[:, 5] * local_inv, t)
+            if now is not None
+            else (dm[:, 5] * local_inv)
+        )
+        local_end = local_end + dm[:, 6]
+        self.local_end = local_end.tolist()
+        self.both, self.measured = [x > 0 for x in cols[10]], [x > 0 for x in cols[12]]
+        self.d_pop: IntArray = dm[:, 11].astype(np.intp)
+        self.d_xyz: FloatArray = geo.xyz[self.d_pop].reshape(len(d), 3)
+        self.d_measured: FloatArray = dm[:, 8].copy()  # RTT EWMA to the daemon's PoP, 0: none
+        self.p_inv: FloatArray = 1.0 / pm[:, 0]
+        p_end = (
+            np.maximum(pm[:, 3] + pm[:, 1] * self.p_inv, t)
+            if now is not None
+            else (pm[:, 1] * self.p_inv)
+        )
+        self.p_end: FloatArray = p_end + pm[:, 2]
+        self.p_pop: IntArray = pm[:, 4].astype(np.intp)
+        self.pooled_short = self.pooled_long = math.inf
+        self.pool: IntArray  # indices into p of the cheapest prefill daemons (module doc)
+        self.pool_set: set[int]
+        self.d_pool_rtt: FloatArray  # [D, pool] RTT, 0 within a PoP
+        # Per D: index into p of its PoP's best prefill daemon, judged on one chunk (queues differ
+        # more than speeds), -1 if none. Chosen per snapshot, like the pool.
+        chunk_cost = np.maximum(self.p_end - t, 0.0) + cfg.prefill_chunk_tokens * self.p_inv
+        best: dict[int, int] = {}
+        costs = chunk_cost.tolist()
+        for k, g in enumerate(self.p_pop.tolist()):
+            if g not in best or costs[k] < costs[best[g]]:
+                best[g] = k
+        self.colo = [best.get(g, -1) for g in self.d_pop.tolist()]
+        self.colo_arr: IntArray = np.asarray(self.colo, dtype=np.intp)
+        self._rank_pool(t)
+        self._derive_all(t, dm, local_inv, local_end)
+
+    # ---- the vectorized build ----------------------------------------------------------
+    def _derive_all(
+        self, t: float, dm: FloatArray, local_inv: FloatArray, local_end: FloatArray
+    ) -> None:
+        cfg = self.cfg
+        running, waiting, free, d_rate, p50 = dm[:, 0], dm[:, 1], dm[:, 2], dm[:, 4], dm[:, 9]
+        measured, both = dm[:, 12] > 0, dm[:, 10] > 0
+        # Aggregate rate R at batch B means a step of B/R; one more sequence makes it (B+1)/R.
+        itl = np.where((running > 0) & measured, (running + 1) / d_rate, p50)
+        penalty = np.where(itl <= cfg.itl_slo_s, 0.0, BIG + itl)
+        admit_wait = (waiting + 1.0) * cfg.mean_output_tokens / d_rate
+        # Requests wait, or what was placed since the heartbeat has used up the free KV.
+        self.d_static = penalty + np.where((waiting > 0) | (free <= 0), admit_wait, 0.0)
+        local_q = np.maximum(local_end - t, 0.0)
+        limited = np.where(both, 0.0, math.inf)
+        colo = np.asarray(self.colo, dtype=np.intp)
+        has = colo >= 0
+        colo_end = np.where(has, self.p_end[colo] if len(self.p) else 0.0, math.inf)
+        colo_inv = np.where(has, self.p_inv[colo] if len(self.p) else 0.0, 0.0)
+        colo_q = np.maximum(colo_end - t, 0.0)
+        ns, nl = cfg.local_prefill_max_tokens, 4 * cfg.prefill_chunk_tokens
+        # Pruning keys: exact at the time of the build or of the row's last update.
+        self.own_short = np.minimum(local_q + ns * local_inv, colo_q + ns * colo_inv)
+        self.own_long = np.minimum(local_q + nl * local_inv + limited, colo_q + nl * colo_inv)
+        self._keys()
+        # free_tokens (-1 when requests wait), admit_wait_s, local_end, local_s_per_token,
+        # local_limited (inf: only short prompts may prefill locally), colo_end (inf: none),
+        # colo_s_per_token, penalty (0, or BIG + itl over the SLO), itl_s.
+        free_col = np.where(waiting > 0, -1.0, free)
+        cols = (free_col, admit_wait, local_end, local_inv, limited, colo_end, colo_inv, penalty,
+                itl)  # fmt: skip
+        self.d_rows: FloatArray = np.stack(cols, axis=1).reshape(len(self.d), 9)
+        self.load = (running + waiting).tolist()  # for the power-of-two choice
+
+    # ---- one row at a time (must compute what _derive_all does) -----------------------
+    def _derive(self, i: int, t: float) -> None:
+        cfg = self.cfg
+        running, waiting, free, rate = (
+            self.running[i],
+            self.waiting[i],
+            self.free[i],
+            self.d_rate[i],
+        )
+        itl = (running + 1) / rate if running > 0 and self.measured[i] else self.p50[i]
+        penalty = 0.0 if itl <= cfg.itl_slo_s else BIG + itl
+        admit_wait = (waiting + 1.0) * cfg.mean_output_tokens / rate
+        self.d_static[i] = penalty + (admit_wait if waiting > 0 or free <= 0 else 0.0)
+        local_inv, local_end = self.local_inv[i], self.local_end[i]
+        local_q = max(local_end - t, 0.0)
+        limited = 0.0 if self.both[i] else math.inf
+        c = self.colo[i]
+        colo_end, colo_inv = (self.p_end.item(c), self.p_inv.item(c)) if c >= 0 else (math.inf, 0.0)
+        colo_q = max(colo_end - t, 0.0)
+        ns, nl = cfg.local_prefill_max_tokens, 4 * cfg.prefill_chunk_tokens
+        own_short = min(local_q + ns * local_inv, colo_q + ns * colo_inv)
+        own_long = min(local_q + nl * local_inv + limited, colo_q + nl * colo_inv)
+        self.own_short[i], self.own_long[i] = own_short, own_long
+        self.key_short[i] = self.d_static.item(i) + min(own_short, self.pooled_short)
+        self.key_long[i] = self.d_static.item(i) + min(own_long, self.pooled_long)
+        self.d_rows[i] = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv, limited,
+                          colo_end, colo_inv, penalty, itl)  # fmt: skip
+        self.load[i] = running + waiting
+
+    def _keys(self) -> None:
+        """Pruning keys without the network: a lower bound of each D's cost for a short and a
+        long prompt (SLO penalty, admission, cheapest prefill of its own, co-located or pooled)."""
+        self.key_short = self.d_static + np.minimum(self.own_short, self.pooled_short)
+        self.key_long = self.d_static + np.minimum(self.own_long, self.pooled_long)
+
+    def _rank_pool(self, t: float) -> None:
+        cfg, k = self.cfg, self.cfg.prefill_pool
+        q = np.maximum(self.p_end - t, 0.0)
+        sizes = (cfg.local_prefill_max_tokens, 8 * cfg.prefill_chunk_tokens)
+        ranked = [np.argsort(q + n * self.p_inv, kind="stable")[:k] for n in sizes]
+        self.pool = np.unique(np.concatenate(ranked)).astype(np.intp)
+        self.pool_set = set(self.pool.tolist())
+        self.d_pool_rtt = self.geo.rtt[:, self.p_pop[self.pool]][self.d_pop]
+        self._pooled(t)
+
+    def _pooled(self, t: float) -> bool:
+        """The cheapest pooled prefill for a short and a long prompt: the lower bound that
+        pruning uses for every D. True if it moved (the keys must follow)."""
+        cfg, inv = self.cfg, self.p_inv[self.pool]
+        q = np.maximum(self.p_end[self.pool] - t, 0.0)
+        sizes = (cfg.local_prefill_max_tokens, 4 * cfg.prefill_chunk_tokens)
+        short, long = (float((q + n * inv).min()) if len(self.pool) else math.inf for n in sizes)
+        changed = (short, long) != (self.pooled_short, self.pooled_long)
+        self.pooled_short, self.pooled_long = short, long
+        return changed
+
+    def apply(self, changes: list[Change], version: int) -> None:
+        """Placements (or their ends) since the build: update the rows they touch."""
+        rows: dict[int, float] = {}  # D rows to derive again, and as of when
+        for url, seqs, kv, prefill, t in changes:
+            if (i := self.d_of.get(url)) is not None:
+                self.running[i] += seqs
+                self.free[i] -= kv
+                if prefill:
+                    end = self.local_end[i]
+                    self.local_end[i] = (max(end, t) if prefill > 0 else end) + (
+                        prefill * self.local_inv[i]
+                    )
+                rows[i] = t
+            if prefill and (j := self.p_of.get(url)) is not None:
+                # An idle daemon starts on new work now; work taken back leaves the rest.
+                end = self.p_end.item(j)
+                self.p_end[j] = (max(end, t) if prefill > 0 else end) + prefill * self.p_inv.item(j)
+                # The decode daemons it is the co-located prefill peer of are priced anew.
+                rows.update(dict.fromkeys(np.flatnonzero(self.colo_arr == j).tolist(), t))
+                # More work only raises the pooled minima, so the bounds stand; less may not.
+                if prefill < 0 and j in self.pool_set and self._pooled(t):
+                    self._keys()
+        for row, t in rows.items():
+            self._derive(row, t)
+        self.version = version
+
+
+class Prepared:
+    """One snapshot: its PoP geometry and, per model, its :class:`LoadArrays`."""
+
+    def __init__(
+        self, views: Sequence[DaemonView], net: NetworkModel, cfg: PlacementConfig,
+        pending: PlacementLedger | None,
+    ) -> None:  # fmt: skip
+        self.views, self.cfg, self.pending = list(views), cfg, pending
+        self.geo = pop_geometry({v.pop: (v.lat, v.lon) for v in views}, net)
+        # Clients whose dot product with the router's PoP exceeds this are in its catchment.
+        # (> 1, so nobody, when catchment_km <= 0 switches measured RTTs off.)
+        self.catchment_dot = (
+            math.cos(net.catchment_km / EARTH_RADIUS_KM) if net.catchment_km > 0 else 2.0
+        )
+        counts = Counter(v.model for v in views if v.available and v.model and v.role != "prefill")
+        # Ties broken by name so every router picks the same default.
+        self.default_model = min(counts, key=lambda m: (-counts[m], m)) if counts else None
+        self._by_model: dict[str, LoadArrays] = {}
+
+    def arrays(self, model: str, now: float | None) -> LoadArrays:
+        a = self._by_model.get(model)
+        pending = self.pending
+        changes = pending.changes_since(a.version) if a is not None and pending else []
+        if a is None or changes is None:  # new, or the journal was trimmed: from the totals
+            a = LoadArrays(self.views, model, self.geo, self.cfg, pending, now)
+            self._by_model[model] = a
+        elif changes and pending is not None:
+            a.apply(changes, pending.version)
+        return a
+
+
+# One entry: routers place against the latest snapshot, so an older one is never asked again.
+_snapshot: tuple[Sequence[DaemonView], NetworkModel, PlacementConfig, Prepared] | None = None
+
+
+def prepared(
+    views: Sequence[DaemonView], net: NetworkModel, cfg: PlacementConfig,
+    pending: PlacementLedger | None,
+) -> Prepared:  # fmt: skip
+    global _snapshot
+    s = _snapshot
+    # `in` tests identity before equality, which for a dataclass builds tuples: the proxy
+    # passes the same objects every time.
+    if (
+        s is not None
+        and s[0] is views
+        and s[1] in (net,)
+        and s[2] in (cfg,)
+        and (s[3].pending is pending)
+    ):
+        return s[3]
+    _snapshot = (views, net, cfg, Prepared(views, net, cfg, pending))
+    return _snapshot[3]
