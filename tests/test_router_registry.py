@@ -47,7 +47,8 @@ def pops() -> list[PopConfig]:
 
 @pytest.fixture
 def reg() -> PopRegistry:
-    return PopRegistry(pops(), here="fra", heartbeat_interval_s=PERIOD)
+    # No coalescing: every heartbeat is in the next snapshot (coalescing has its own test).
+    return PopRegistry(pops(), here="fra", heartbeat_interval_s=PERIOD, coalesce_s=0.0)
 
 
 def state(reg: PopRegistry, url: str, now: float) -> str:
@@ -163,46 +164,53 @@ def test_rtt_ewma_and_in_flight(reg: PopRegistry) -> None:
     assert view.rtt_s == pytest.approx(0.130) and view.lat == 40.71
 
 
+def heard(reg: PopRegistry, beat: Heartbeat, now: float) -> str:
+    """A heartbeat arrives and the next decision's snapshot includes it."""
+    verdict = reg.update(beat, now)
+    reg.snapshot(now)
+    return verdict
+
+
 def test_pending_placements_count_until_a_heartbeat_includes_them(reg: PopRegistry) -> None:
     """PERIOD 1 s: daemons refresh their load snapshot every 0.5 s (the report lag)."""
-    reg.update(hb(seq=1), 0.0)
+    heard(reg, hb(seq=1), 0.0)
     ledger = reg.pending
     ledger.record(10.0, FRA, None, prompt_tokens=800, kv_tokens=1000, decode_lag_s=0.1,
                   prefill_lag_s=0.1, prefill_s=0.1)  # fmt: skip
     assert tuple(ledger.totals(FRA)) == (1.0, 1000.0, 800.0)
     # Too soon for the request to be at the daemon and back: it counts in full.
-    reg.update(hb(seq=2), 10.05)
+    heard(reg, hb(seq=2), 10.05)
     assert tuple(ledger.totals(FRA)) == (1.0, 1000.0, 800.0)
     # Halfway through the snapshot's possible age: shown with probability 1/2.
-    reg.update(hb(seq=3), 10.35)
+    heard(reg, hb(seq=3), 10.35)
     assert ledger.totals(FRA)[0] == pytest.approx(0.5)
     # Older than the lag and the whole report lag: every heartbeat now includes it.
-    reg.update(hb(seq=4), 10.6)
+    heard(reg, hb(seq=4), 10.6)
     assert tuple(ledger.totals(FRA)) == (0.0, 0.0, 0.0)
 
 
 def test_an_earlier_heartbeat_never_brings_a_placement_back(reg: PopRegistry) -> None:
     """A placement's weight is the chance that no heartbeat so far has shown it: it only falls,
     and each daemon's heartbeats absorb only its own part of a placement."""
-    reg.update(hb(seq=1), 0.0)
+    heard(reg, hb(seq=1), 0.0)
     reg.pending.record(10.0, FRA, NYC, 2000, 2100, 0.0, 0.2, 0.25)
-    reg.update(hb(seq=2), 10.25)  # FRA: shown with probability 1/2
+    heard(reg, hb(seq=2), 10.25)  # FRA: shown with probability 1/2
     assert tuple(reg.pending.totals(FRA)) == pytest.approx((0.5, 1050.0, 0.0))
     assert tuple(reg.pending.totals(NYC)) == (0.0, 0.0, 2000.0)  # a prefill peer: tokens only
-    reg.update(hb(seq=3), 10.26)
+    heard(reg, hb(seq=3), 10.26)
     assert reg.pending.totals(FRA)[0] == pytest.approx(0.48)
-    reg.update(hb(url=NYC, pop="nyc", seq=1), 10.15)  # NYC's own lag has not passed
+    heard(reg, hb(url=NYC, pop="nyc", seq=1), 10.15)  # NYC's own lag has not passed
     assert tuple(reg.pending.totals(NYC)) == (0.0, 0.0, 2000.0)
 
 
 def test_cancel_restart_and_reload_forget_pending(reg: PopRegistry) -> None:
-    reg.update(hb(seq=1), 0.0)
+    heard(reg, hb(seq=1), 0.0)
     ticket = reg.pending.record(1.0, FRA, NYC, 500, 600, 0.1, 0.2, 0.06)
     reg.pending.cancel(ticket)  # the connect failed: it never got there
     assert tuple(reg.pending.totals(FRA)) == tuple(reg.pending.totals(NYC)) == (0.0, 0.0, 0.0)
     reg.pending.cancel(ticket)  # twice is harmless
     reg.pending.record(2.0, FRA, NYC, 500, 600, 0.1, 0.2, 0.06)
-    assert reg.update(hb(seq=1, started_at=200.0), 2.01) == "restart"
+    assert heard(reg, hb(seq=1, started_at=200.0), 2.01) == "restart"
     assert tuple(reg.pending.totals(FRA)) == (0.0, 0.0, 0.0)  # the new process lost them
     assert reg.pending.totals(NYC)[2] == 500.0
     reg.replace_pops([PopConfig("fra", 50.11, 8.68, (FRA,)), PopConfig("ams", 52.37, 4.9)])
@@ -220,3 +228,23 @@ def test_the_journal_is_trimmed_when_the_snapshot_changes(reg: PopRegistry) -> N
     reg.snapshot(0.2)
     assert reg.pending.changes_since(v0) is None  # readers of `first` rebuild from totals
     assert reg.pending.changes_since(reg.pending.version) == []
+
+
+def test_load_only_heartbeats_are_coalesced_availability_changes_are_not() -> None:
+    reg = PopRegistry(pops(), here="fra", heartbeat_interval_s=PERIOD, coalesce_s=0.05)
+    reg.update(hb(seq=1), 0.0)
+    first = reg.snapshot(0.0)
+    reg.pending.record(0.0, FRA, None, 100, 200, 0.0, 0.0, 0.01)
+    reg.update(hb(seq=2, running=5), 0.6)
+    held = reg.snapshot(0.6)  # the first snapshot at 0.6 s: the load change is in
+    assert held is not first and next(v for v in held if v.url == FRA).running == 5
+    assert tuple(reg.pending.totals(FRA)) == (0.0, 0.0, 0.0)  # ...and absorbed with it
+    reg.pending.record(0.61, FRA, None, 100, 200, 0.0, 0.0, 0.01)
+    reg.update(hb(seq=3, running=7), 0.62)
+    assert reg.snapshot(0.63) is held  # within 50 ms of the last build: waits...
+    assert reg.pending.totals(FRA)[0] == 1.0  # ...and so does the absorption
+    assert next(v for v in reg.snapshot(0.66) if v.url == FRA).running == 7
+    reg.update(hb(url=NYC, pop="nyc", seq=1), 0.67)  # a first heartbeat: NYC becomes placeable
+    assert next(v for v in reg.snapshot(0.67) if v.url == NYC).available
+    reg.drain_pop("nyc")
+    assert not next(v for v in reg.snapshot(0.68) if v.url == NYC).available

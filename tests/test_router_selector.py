@@ -68,8 +68,9 @@ class World:
 
     def __init__(self, daemons: dict[str, tuple[str, ...]] | None = None) -> None:
         daemons = daemons or {pop: (f"http://{pop}-1:8000",) for pop in COORDS}
+        # No coalescing: each beat is in the next decision's snapshot.
         self.reg = PopRegistry(
-            [PopConfig(p, *COORDS[p], daemons.get(p, ())) for p in COORDS], "lon", 5.0
+            [PopConfig(p, *COORDS[p], daemons.get(p, ())) for p in COORDS], "lon", 5.0, 0.0
         )
         self.now, self.seq = 100.0, 1
 
@@ -236,8 +237,8 @@ def test_a_heartbeat_that_includes_the_burst_replaces_it() -> None:
     # Well past the network lag and the daemon's report lag (half of the 5 s period).
     w.now += 3.0
     w.beat("http://lon-a:8000", running=12, queued_prefill_tokens=0)
+    views = w.reg.snapshot(w.now)  # the heartbeat is visible: what it includes stops counting
     assert tuple(pending.totals("http://lon-a:8000")) == (0.0, 0.0, 0.0)
-    views = w.reg.snapshot(w.now)
     f = RequestFeatures(800, 128, "m")
     best = select(views, LONDON, f, NET, CFG, random.Random(0), "lon", pending=pending, now=w.now)
     # Priced from the heartbeat alone: 12 running (not 22), no queue (the burst was prefilled).
@@ -289,7 +290,7 @@ def test_updates_per_placement_match_a_rebuild() -> None:
     # Co-located peers are chosen per snapshot: compare the rows whose peer a rebuild keeps.
     same = np.asarray(live.colo) == np.asarray(fresh.colo)
     assert same.sum() >= len(same) - 2
-    np.testing.assert_allclose(live.d_rows[same], fresh.d_rows[same])
+    np.testing.assert_allclose(np.asarray(live.d_rows)[same], np.asarray(fresh.d_rows)[same])
     np.testing.assert_allclose(live.d_static, fresh.d_static)
     for name in ("own_short", "own_long"):
         np.testing.assert_allclose(getattr(live, name)[same], getattr(fresh, name)[same])

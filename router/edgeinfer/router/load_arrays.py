@@ -162,6 +162,11 @@ class LoadArrays:
                 best[g] = k
         self.colo = [best.get(g, -1) for g in self.d_pop.tolist()]
         self.colo_arr: IntArray = np.asarray(self.colo, dtype=np.intp)
+        # The other way round: per prefill daemon, the D rows it is the co-located peer of.
+        self.colo_rows: dict[int, list[int]] = {}
+        for i, c in enumerate(self.colo):
+            if c >= 0:
+                self.colo_rows.setdefault(c, []).append(i)
         self._rank_pool(t)
         self._derive_all(t, dm, local_inv, local_end)
 
@@ -180,7 +185,7 @@ class LoadArrays:
         self.d_static = penalty + np.where((waiting > 0) | (free <= 0), admit_wait, 0.0)
         local_q = np.maximum(local_end - t, 0.0)
         limited = np.where(both, 0.0, math.inf)
-        colo = np.asarray(self.colo, dtype=np.intp)
+        colo = self.colo_arr
         has = colo >= 0
         colo_end = np.where(has, self.p_end[colo] if len(self.p) else 0.0, math.inf)
         colo_inv = np.where(has, self.p_inv[colo] if len(self.p) else 0.0, 0.0)
@@ -196,7 +201,10 @@ class LoadArrays:
         free_col = np.where(waiting > 0, -1.0, free)
         cols = (free_col, admit_wait, local_end, local_inv, limited, colo_end, colo_inv, penalty,
                 itl)  # fmt: skip
-        self.d_rows: FloatArray = np.stack(cols, axis=1).reshape(len(self.d), 9)
+        # Rows as Python tuples: a decision reads a handful, a placement rewrites one or two.
+        self.d_rows: list[tuple[float, ...]] = list(
+            map(tuple, np.stack(cols, axis=1).reshape(len(self.d), 9).tolist())
+        )
         self.load = (running + waiting).tolist()  # for the power-of-two choice
 
     # ---- one row at a time (must compute what _derive_all does) -----------------------
@@ -273,7 +281,7 @@ class LoadArrays:
                 end = self.p_end.item(j)
                 self.p_end[j] = (max(end, t) if prefill > 0 else end) + prefill * self.p_inv.item(j)
                 # The decode daemons it is the co-located prefill peer of are priced anew.
-                rows.update(dict.fromkeys(np.flatnonzero(self.colo_arr == j).tolist(), t))
+                rows.update(dict.fromkeys(self.colo_rows.get(j, ()), t))
                 # More work only raises the pooled minima, so the bounds stand; less may not.
                 if prefill < 0 and j in self.pool_set and self._pooled(t):
                     self._keys()

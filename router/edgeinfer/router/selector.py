@@ -128,7 +128,8 @@ def select(
         rows = np.arange(len(sel))
         pool_s, kv_l, best_l = total[rows, best].tolist(), kv[rows, best].tolist(), best.tolist()
     # From here on: a handful of candidates, cheaper in plain Python than in numpy calls.
-    sel_l, net_l, stats = sel.tolist(), net_s[sel].tolist(), a.d_rows[sel].tolist()
+    sel_l, net_l = sel.tolist(), net_s[sel].tolist()
+    stats = [a.d_rows[i] for i in sel_l]
     need = prompt + features.max_tokens
     scored, terms_l = [], []
     for j, (free, wait, l_end, linv, lim, c_end, cinv, pen, itl) in enumerate(stats):
