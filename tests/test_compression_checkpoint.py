@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from edgeinfer.kernels.compression.checkpoint import compress_dir, decompress_dir, tensor_class
+from edgeinfer.kernels.compression.encoder import compress_tensor
 from edgeinfer.kernels.compression.errors import (
     CompressionError,
     CorruptDataError,
@@ -179,16 +180,23 @@ def test_palette_tensor_is_stored_with_its_fields(checkpoint: Path, tmp_path: Pa
 
 
 def test_format_1_files_still_read(tmp_path: Path) -> None:
-    # Format 1 had plain mode only, which format 2 stores byte for byte the same way.
-    (tmp_path / "in").mkdir()
+    # Format 1 had plain mode with 0 extra bits only, which format 2 stores byte for byte the
+    # same way: such tensors, under a version-1 header, are format-1 files.
     original = {"w": (torch.randn(40, 64) * 0.02).to(torch.bfloat16), "b": torch.randn(9).half()}
-    save_file(original, tmp_path / "in" / "model.safetensors")
-    compress_dir(tmp_path / "in", tmp_path / "c")
-    path = tmp_path / "c" / "model.safetensors"
-    _rewrite_header(path, lambda header, _: header.update(version=1))
+    stored: dict[str, torch.Tensor] = {}
+    entries: dict[str, Any] = {}
+    for name, tensor in original.items():
+        packed = compress_tensor(tensor, extra_bits=0)
+        assert packed.palette is None
+        entries[name] = packed.describe()
+        stored.update({f"{name}::ei.{p}": v for p, v in packed.parts().items()})
+    assert set(entries["w"]) == {"dtype", "shape", "chunk", "crc32"}  # format 1's keys
+    path = tmp_path / "model.safetensors"
+    header = json.dumps({"version": 1, "tensors": entries})
+    save_file(stored, path, metadata={METADATA_KEY: header})
     with CompressedSafetensorsReader(path) as reader:
-        packed = [reader.get_compressed(name) for name in original]
-        assert all(p is not None and p.palette is None for p in packed)
+        packed_back = [reader.get_compressed(name) for name in original]
+        assert all(p is not None and p.extra_bits == 0 for p in packed_back)
         assert all(_same(reader.get(name), t) for name, t in original.items())
 
 
@@ -216,7 +224,13 @@ def test_crafted_palette_fields_are_refused(checkpoint: Path, tmp_path: Path) ->
             *(tensors[f"{name}::ei.{p}"] for p in ("counts", "index")),
         )
         crafted = CompressedTensor(
-            entry["dtype"], tuple(entry["shape"]), entry["chunk"], **parts, palette=fields
+            entry["dtype"],
+            tuple(entry["shape"]),
+            entry["chunk"],
+            **parts,
+            palette=fields,
+            extra_bits=entry.get("extra_bits", 0),
+            words=entry.get("words", -1),
         )
         entry["crc32"] = crafted.checksum()
 
@@ -226,3 +240,25 @@ def test_crafted_palette_fields_are_refused(checkpoint: Path, tmp_path: Path) ->
         pytest.raises(CorruptDataError, match="inconsistent compressed tensor layout"),
     ):
         reader.get(name)
+
+
+@pytest.mark.parametrize("damage", ["negative_size", "short_raw", "words"])
+def test_crafted_extended_streams_are_refused(tmp_path: Path, damage: str) -> None:
+    # Checksummed but inconsistent: chunk sizes past the stream, raw fields cut short, or a
+    # stream length that does not match the tensor.
+    packed = compress_tensor((torch.randn(3000) * 0.02).to(torch.bfloat16), 64, extra_bits=2)
+    parts = packed.parts()
+    words = packed.words
+    if damage == "negative_size":
+        parts["offsets"] = parts["offsets"].clone()
+        parts["offsets"][3] = -8
+    elif damage == "short_raw":
+        parts["raw"] = parts["raw"][:-1].clone()
+    else:
+        words += 1
+    crafted = CompressedTensor(
+        packed.dtype, packed.shape, packed.chunk, **parts, extra_bits=2, words=words
+    )
+    entry = crafted.describe()
+    with pytest.raises(CorruptDataError, match="inconsistent compressed tensor layout"):
+        CompressedTensor.from_parts(entry, dict(parts), "t")

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from edgeinfer.kernels.compression.cpu_decoder import BACKENDS, Backend, decode_cpu, decode_many_cpu
 from edgeinfer.kernels.compression.encoder import compress_tensor
 from edgeinfer.kernels.compression.errors import CompressionError
+from edgeinfer.kernels.compression.format import MAX_EXTRA_BITS
 from edgeinfer.kernels.compression.huffman import MAX_CODE_LEN, code_lengths
 from edgeinfer.kernels.compression.palette import BLOCK_SIZES, MAX_PALETTE
 
@@ -170,7 +171,31 @@ def test_trained_like_weights_shrink_by_a_third() -> None:
     original = (torch.randn(256, 512) * 0.02).to(torch.bfloat16)
     packed = compress_tensor(original)
     assert packed.palette is None  # ~32 distinct words per 32: a palette would only cost more
-    assert packed.nbytes / (original.numel() * 2) < 0.70
+    # Top mantissa bits are skewed within a binade: coding them with the exponent pays.
+    assert packed.extra_bits > 0
+    assert packed.nbytes < compress_tensor(original, extra_bits=0).nbytes
+    assert packed.nbytes / (original.numel() * 2) < 0.66
+
+
+@pytest.mark.parametrize("extra_bits", range(MAX_EXTRA_BITS + 1))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1024])
+def test_every_extra_bits_roundtrips(extra_bits: int, dtype: torch.dtype, chunk: int) -> None:
+    # 230 words: under the 256 symbols a code may hold, whatever the extra bits.
+    weights = _words((torch.randn(201) * 0.02).to(dtype))
+    for words in (weights + SPECIALS, weights * 5 + SPECIALS, [0x3F80] * 65, [0x8000]):
+        original = torch.tensor(words, dtype=torch.int32).to(torch.int16).view(dtype)
+        packed = compress_tensor(original, chunk, extra_bits=extra_bits)
+        assert packed.extra_bits == extra_bits
+        for backend in BACKENDS:
+            assert _words(decode_cpu(packed, backend)) == _words(original), backend
+
+
+def test_extra_bits_beyond_the_symbol_limit_are_refused() -> None:
+    # 4096 distinct words: 2048 distinct 11-bit symbols, more than a code may hold.
+    original = torch.arange(4096, dtype=torch.int32).mul(16).to(torch.int16)
+    with pytest.raises(CompressionError, match="distinct symbols"):
+        compress_tensor(original.view(torch.bfloat16), extra_bits=3)
 
 
 def test_float32_is_rejected() -> None:

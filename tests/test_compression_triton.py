@@ -22,8 +22,8 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
-def _check(original: torch.Tensor, chunk: int) -> None:
-    packed = compress_tensor(original, chunk).to(DEVICE)
+def _check(original: torch.Tensor, chunk: int, extra_bits: int | None = None) -> None:
+    packed = compress_tensor(original, chunk, extra_bits=extra_bits).to(DEVICE)
     restored = decode_triton(packed).cpu()
     assert restored.dtype == original.dtype and restored.shape == original.shape
     assert torch.equal(restored.view(torch.int16), original.view(torch.int16))
@@ -40,16 +40,21 @@ def test_any_bit_pattern_roundtrips(dtype: torch.dtype, words: list[int], chunk:
     _check(original, chunk)
 
 
+@pytest.mark.parametrize("extra_bits", [None, 0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_weights_and_special_values(dtype: torch.dtype) -> None:
-    weights = (torch.randn(700) * 0.02).to(dtype).view(torch.int16)
+def test_weights_and_special_values(dtype: torch.dtype, extra_bits: int | None) -> None:
+    # None: the encoder's choice; 0 is the format-1 stream, 1-3 the extended ones. 248 words
+    # stay under the 256 symbols a code may hold.
+    weights = (torch.randn(240) * 0.02).to(dtype).view(torch.int16)
     specials = torch.tensor([0, -32768, 0x7F80, 0x7FC1, -1, 1, 0x7C00, 0x03FF], dtype=torch.int16)
-    _check(torch.cat([weights, specials]).view(dtype).reshape(4, -1), 64)
+    _check(torch.cat([weights, specials]).view(dtype).reshape(4, -1), 64, extra_bits)
 
 
-def test_all_equal_and_single_element() -> None:
-    _check(torch.full((129,), 0.5, dtype=torch.bfloat16), 32)
-    _check(torch.tensor([-0.0], dtype=torch.float16), 32)
+@pytest.mark.parametrize("extra_bits", [None, 0, 3])
+def test_all_equal_and_single_element(extra_bits: int | None) -> None:
+    _check(torch.full((129,), 0.5, dtype=torch.bfloat16), 32, extra_bits)
+    _check(torch.tensor([-0.0], dtype=torch.float16), 32, extra_bits)
+    _check(torch.tensor([float("nan")], dtype=torch.bfloat16), 5, extra_bits)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

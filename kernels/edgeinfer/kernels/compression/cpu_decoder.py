@@ -6,6 +6,7 @@ Both backends decode bit for bit the same; numba is about 5x faster on one core 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Sequence
@@ -24,7 +25,13 @@ def default_backend() -> Backend:
     """numba when importable (unless EDGEINFER_CPU_DECODER=numpy), else numpy."""
     if os.environ.get("EDGEINFER_CPU_DECODER") == "numpy":
         return "numpy"
-    return "numba" if importlib.util.find_spec("numba") is not None else "numpy"
+    return "numba" if _numba_installed() else "numpy"
+
+
+@functools.cache
+def _numba_installed() -> bool:
+    # Cached: find_spec scans sys.path (tens of microseconds), and this runs per decode call.
+    return importlib.util.find_spec("numba") is not None
 
 
 def decode_cpu(tensor: CompressedTensor, backend: Backend | None = None) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Each tensor gets the smaller of the two modes (see ``format.py``): plain, or palette when every
 block of some size in ``palette.BLOCK_SIZES`` holds at most ``MAX_PALETTE`` distinct words and
-that wins on this tensor's data.
+that wins on this tensor's data. Each word stream (the tensor's, or its palettes') in turn takes
+the number of extra mantissa bits coded with the exponent that makes it smallest.
 """
 
 from __future__ import annotations
@@ -16,30 +17,48 @@ from edgeinfer.kernels.compression.errors import CompressionError
 from edgeinfer.kernels.compression.format import (
     DEFAULT_CHUNK,
     DTYPES,
+    MAX_EXTRA_BITS,
     PAD_BYTES,
     CompressedTensor,
     Palette,
 )
 from edgeinfer.kernels.compression.huffman import (
+    MAX_CODE_LEN,
+    MAX_SYMBOLS,
     canonical_codes,
     code_lengths,
     lengths_to_pairs,
     pairs_to_lengths,
+    range_code,
+    range_to_lengths,
 )
 from edgeinfer.kernels.compression.palette import (
     BLOCK_SIZES,
     COUNT_BITS,
     estimate_bytes,
+    field_bytes,
     pack_fields,
     split,
 )
 
+# Extended streams store chunk sizes as int16: a chunk must fit 32767 bytes at worst.
+_MAX_EXTENDED_CHUNK = (8 * 32767 - 7) // MAX_CODE_LEN
 
-def split_words(words: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Map uint16 words (n,) to (coded bytes, raw bytes), each uint8 (n,); see ``format.py``."""
+
+def split_words(
+    words: np.ndarray, dtype: str, extra_bits: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Map uint16 words (n,) to (coded symbols, raw fields), see ``format.py``.
+
+    With ``extra_bits`` 0 both are uint8 (coded byte, raw byte); otherwise the symbols are uint16
+    and the raw fields (uint8) hold ``8 - extra_bits`` bits.
+    """
     if dtype == "bfloat16":
         words = (words << 1) | (words >> 15)  # rotate left: eeeeeeee mmmmmmms
-    return (words >> 8).astype(np.uint8), (words & 0xFF).astype(np.uint8)
+    raw_bits = 8 - extra_bits
+    coded = words >> raw_bits
+    raw = (words & ((1 << raw_bits) - 1)).astype(np.uint8)
+    return (coded.astype(np.uint8) if extra_bits == 0 else coded), raw
 
 
 def exponent_entropy_bits(coded: np.ndarray) -> float:
@@ -49,8 +68,14 @@ def exponent_entropy_bits(coded: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def compress_tensor(tensor: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> CompressedTensor:
-    """Compress a bf16 or fp16 tensor of any shape (contiguous or not) losslessly."""
+def compress_tensor(
+    tensor: torch.Tensor, chunk: int = DEFAULT_CHUNK, extra_bits: int | None = None
+) -> CompressedTensor:
+    """Compress a bf16 or fp16 tensor of any shape (contiguous or not) losslessly.
+
+    ``extra_bits`` forces the word streams' extra mantissa bits (0 gives format-1 streams); by
+    default each stream takes the smallest.
+    """
     dtype = next((name for name, dt in DTYPES.items() if dt == tensor.dtype), None)
     if dtype is None:
         raise CompressionError(
@@ -58,14 +83,16 @@ def compress_tensor(tensor: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> Compres
         )
     if chunk <= 0:
         raise CompressionError(f"chunk must be positive, got {chunk}")
+    if extra_bits is not None and not 0 <= extra_bits <= MAX_EXTRA_BITS:
+        raise CompressionError(f"extra_bits must be 0 to {MAX_EXTRA_BITS}, got {extra_bits}")
     words = tensor.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16).ravel()
     shape = tuple(tensor.shape)
-    plain = _encode_stream(words, dtype, shape, chunk)
+    plain = _encode_stream(words, dtype, shape, chunk, extra_bits)
     palette = _best_palette(words, plain.nbytes / max(len(words), 1))
     if palette is None:
         return plain
     block, (palette_words, counts, index) = palette
-    stream = _encode_stream(palette_words, dtype, shape, chunk)
+    stream = _encode_stream(palette_words, dtype, shape, chunk, extra_bits)
     width = int(counts.max() - 1).bit_length()
     fields = Palette(
         block,
@@ -99,23 +126,60 @@ def _best_palette(
 
 
 def _encode_stream(
-    words: np.ndarray, dtype: str, shape: tuple[int, ...], chunk: int
+    words: np.ndarray, dtype: str, shape: tuple[int, ...], chunk: int, force: int | None
 ) -> CompressedTensor:
-    """Plain-mode tensor of ``words`` (uint16) with the given shape (fixed by the caller)."""
-    coded, raw = split_words(words, dtype)
-    counts = np.bincount(coded, minlength=256)
-    pairs = lengths_to_pairs(code_lengths(counts), counts) if len(coded) else np.zeros(2, np.uint8)
-    symbols, lengths = pairs_to_lengths(pairs)
+    """Plain-mode tensor of ``words`` (uint16) with the given shape (fixed by the caller).
+
+    The number of extra bits is ``force``, or else the one whose estimated size (code bits,
+    chunk offsets, raw fields and table) is smallest; only that one is encoded.
+    """
+    extended = len(words) > 0 and chunk <= _MAX_EXTENDED_CHUNK
+    if force and chunk > _MAX_EXTENDED_CHUNK:
+        raise CompressionError(f"extra_bits {force} needs a chunk of at most {_MAX_EXTENDED_CHUNK}")
+    tried = range(1 + MAX_EXTRA_BITS * extended) if force is None else [force * extended]
+    options = [o for o in (_option(words, dtype, k, chunk) for k in tried) if o is not None]
+    if not options:
+        raise CompressionError(f"extra_bits {force}: more than {MAX_SYMBOLS} distinct symbols")
+    _, extra_bits, code, coded, raw = min(options, key=lambda o: o[0])
+    symbols, lengths = pairs_to_lengths(code) if extra_bits == 0 else range_to_lengths(code)
     offsets, bits = _encode_chunks(coded, symbols, lengths, chunk)
+    if extra_bits:
+        offsets = np.diff(np.append(offsets, len(bits) - PAD_BYTES)).astype(np.int16)
+        raw = pack_fields(raw, 8 - extra_bits, PAD_BYTES)
     return CompressedTensor(
         dtype=dtype,
         shape=shape,
         chunk=chunk,
-        code=torch.from_numpy(pairs),
+        code=torch.from_numpy(code),
         offsets=torch.from_numpy(offsets),
         bits=torch.from_numpy(bits),
         raw=torch.from_numpy(raw),
+        extra_bits=extra_bits,
+        words=len(words) if extra_bits else -1,
     )
+
+
+def _option(
+    words: np.ndarray, dtype: str, extra_bits: int, chunk: int
+) -> tuple[float, int, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(estimated bytes, extra_bits, code, coded, raw) of a stream; None if it cannot be coded."""
+    coded, raw = split_words(words, dtype, extra_bits)
+    counts = np.bincount(coded, minlength=256 << extra_bits)
+    if extra_bits and np.count_nonzero(counts) > MAX_SYMBOLS:
+        return None
+    lengths = code_lengths(counts)
+    if extra_bits:
+        code = range_code(lengths, counts)
+    else:
+        code = lengths_to_pairs(lengths, counts) if len(coded) else np.zeros(2, np.uint8)
+    size = (
+        float(np.dot(counts, lengths)) / 8
+        # Per chunk: its offset, plus half a byte of padding on average.
+        + -(-len(words) // chunk) * (4.5 if extra_bits == 0 else 2.5)
+        + (field_bytes(len(words), 8 - extra_bits, PAD_BYTES) if extra_bits else len(words))
+        + len(code)
+    )
+    return size, extra_bits, code, coded, raw
 
 
 def _encode_chunks(
@@ -124,7 +188,7 @@ def _encode_chunks(
     """Huffman-code ``coded`` (n,) in byte-aligned chunks; returns (offsets (C,), bits (B,))."""
     n = len(coded)
     n_chunks = -(-n // chunk)
-    length_of = np.zeros(256, dtype=np.int64)
+    length_of = np.zeros(int(symbols[-1]) + 1, dtype=np.int64)
     length_of[symbols] = lengths
     sym_len = length_of[coded]
     # Bits per chunk, rounded up to whole bytes so that every chunk starts byte-aligned.
@@ -139,7 +203,9 @@ def _encode_chunks(
     within = np.cumsum(padded.reshape(n_chunks, chunk), axis=1) - padded.reshape(n_chunks, chunk)
     bit_pos = (within + (starts[:-1, None] << 3)).reshape(-1)[:n]
     n_words = int(starts[-1] + PAD_BYTES + 3) // 4
-    codes = canonical_codes(symbols, lengths).astype(np.int64)[coded]
+    code_of = np.zeros(len(length_of), dtype=np.int64)
+    code_of[symbols] = canonical_codes(symbols, lengths)
+    codes = code_of[coded]
     # Codewords (<= 12 bits) never overlap, so OR-ing them into 32-bit words equals summing their
     # shifted values; bincount sums exactly in float64 since every partial sum is below 2**47.
     shifted = codes << (bit_pos & 31)

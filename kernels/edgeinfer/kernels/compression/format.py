@@ -25,12 +25,24 @@ Each 16-bit word is mapped to a (coded byte, raw byte) pair by a bijection chose
   exponent alone and storing 11 raw bits: H(s, e, m2) <= H(e) + 3 bits, and a larger alphabet
   lowers Huffman's redundancy; it also keeps the raw part byte-aligned.
 
+A word stream may be *extended* by ``extra_bits`` k (1 to ``MAX_EXTRA_BITS``): the coded symbol
+is then the coded byte followed by the next k bits of the (rotated) word, i.e. for bf16 the
+exponent and the top k mantissa bits, and the raw part keeps the low 8 - k bits. In trained
+weights the top mantissa bits are skewed within each exponent's binade (the density falls with
+the magnitude), so Huffman-coding them with the exponent saves ~0.1 bit per element. Such a
+stream changes three parts: ``code`` uses the ``range`` layout (``huffman.py``), ``raw`` holds
+(8 - k)-bit fields packed as in ``palette.pack_fields`` followed by ``PAD_BYTES`` zero bytes (so
+a decoder may read 8 bytes at any field; random access), and
+``offsets`` holds each chunk's size in bytes as int16 (decoders take the prefix sum), half the
+bytes of int32 starts. Its length is stored as ``words``, since ``raw`` no longer gives it.
+
 Every bit pattern (NaN payloads, infinities, subnormals, signed zeros) survives: the mapping is a
-bijection on 16-bit words, the coder is lossless over all 256 byte values, and a palette holds
+bijection on 16-bit words, the coder is lossless over all of its symbols, and a palette holds
 the exact words of its block.
 
-Format 2 added palette mode. A plain tensor is stored exactly as in format 1, so format-1 files
-are read unchanged; a format-1 reader rejects format-2 files by their version number.
+Format 2 added palette mode and extended streams. A plain tensor with ``extra_bits`` 0 is stored
+exactly as in format 1, so format-1 files are read unchanged; a format-1 reader rejects format-2
+files by their version number.
 """
 
 from __future__ import annotations
@@ -40,9 +52,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from edgeinfer.kernels.compression.errors import CorruptDataError, UnsupportedFormatError
+from edgeinfer.kernels.compression.huffman import pairs_to_lengths, range_to_lengths
 from edgeinfer.kernels.compression.palette import (
     COUNT_BITS,
     MAX_PALETTE,
@@ -65,6 +79,9 @@ PAD_BYTES = 8
 # gives tens of thousands of chunks for GPU threads or numpy lanes to decode side by side.
 DEFAULT_CHUNK = 1024
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Mantissa bits an extended stream may code with the exponent: past 3 the symbols no longer fill
+# a contiguous range densely and the table bytes outgrow the gain.
+MAX_EXTRA_BITS = 3
 
 
 def stored_parts(entry: dict[str, Any]) -> tuple[str, ...]:
@@ -98,10 +115,35 @@ class CompressedTensor:
     bits: torch.Tensor
     raw: torch.Tensor
     palette: Palette | None = None
+    extra_bits: int = 0
+    # Word-stream length; stored only for extended streams (otherwise ``raw.numel()``).
+    words: int = -1
 
     @property
     def numel(self) -> int:
         return _prod(self.shape)
+
+    @property
+    def stream_words(self) -> int:
+        """Number of words in the word stream (``numel`` in plain mode)."""
+        return self.raw.numel() if self.extra_bits == 0 else self.words
+
+    @property
+    def raw_bits(self) -> int:
+        """Width of each element's raw field."""
+        return 8 - self.extra_bits
+
+    def code_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """The stream's validated Huffman code: (symbols, lengths), int64 (see ``huffman.py``)."""
+        code = self.code.cpu().numpy()
+        return pairs_to_lengths(code) if self.extra_bits == 0 else range_to_lengths(code)
+
+    def chunk_starts(self) -> torch.Tensor:
+        """Byte offset of each chunk in ``bits``, int64, on the parts' device."""
+        if self.extra_bits == 0:
+            return self.offsets.to(torch.int64)
+        sizes = self.offsets.to(torch.int64)
+        return torch.cumsum(sizes, 0) - sizes
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -124,27 +166,42 @@ class CompressedTensor:
             return self
         return CompressedTensor(
             self.dtype,
-            (self.raw.numel(),),
+            (self.stream_words,),
             self.chunk,
             self.code,
             self.offsets,
             self.bits,
             self.raw,
+            extra_bits=self.extra_bits,
+            words=self.words,
         )
 
     def to(self, device: torch.device | str) -> CompressedTensor:
-        moved = {k: v.to(device) for k, v in self.parts().items()}
+        parts, target = self.parts(), torch.device(device)
+        if all(p.device == target for p in parts.values()):
+            return self  # decoders call this on every tensor: skip rebuilding it
+        moved = {k: v.to(device) for k, v in parts.items()}
         palette = None
         if self.palette is not None:
             counts, index = moved.pop("counts"), moved.pop("index")
             palette = Palette(self.palette.block, self.palette.width, counts, index)
-        return CompressedTensor(self.dtype, self.shape, self.chunk, **moved, palette=palette)
+        return CompressedTensor(
+            self.dtype,
+            self.shape,
+            self.chunk,
+            **moved,
+            palette=palette,
+            extra_bits=self.extra_bits,
+            words=self.words,
+        )
 
     def _description(self) -> list[Any]:
         # A plain tensor is described as in format 1, so format-1 checksums still verify.
         head: list[Any] = [self.dtype, list(self.shape), self.chunk]
         if self.palette is not None:
             head += ["palette", self.palette.block, self.palette.width]
+        if self.extra_bits:
+            head += ["extended", self.extra_bits, self.words]
         return head
 
     def checksum(self) -> int:
@@ -164,6 +221,8 @@ class CompressedTensor:
         }
         if self.palette is not None:
             entry.update(mode="palette", block=self.palette.block, width=self.palette.width)
+        if self.extra_bits:
+            entry.update(extra_bits=self.extra_bits, words=self.words)
         return entry
 
     @classmethod
@@ -179,6 +238,8 @@ class CompressedTensor:
                 int(entry["crc32"]),
             )
             mode = entry.get("mode", "plain")
+            extra_bits = int(entry.get("extra_bits", 0))
+            words = int(entry["words"]) if extra_bits else -1
             palette = None
             if mode == "palette":
                 block, width = int(entry["block"]), int(entry["width"])
@@ -189,7 +250,11 @@ class CompressedTensor:
             raise UnsupportedFormatError(f"{where}: unsupported compressed dtype {dtype!r}")
         if mode not in ("plain", "palette"):
             raise UnsupportedFormatError(f"{where}: unknown compression mode {mode!r}")
-        tensor = cls(dtype, shape, chunk, **parts, palette=palette)
+        if not 0 <= extra_bits <= MAX_EXTRA_BITS:
+            raise UnsupportedFormatError(f"{where}: unsupported extra_bits {extra_bits}")
+        tensor = cls(
+            dtype, shape, chunk, **parts, palette=palette, extra_bits=extra_bits, words=words
+        )
         if tensor.checksum() != crc:
             raise CorruptDataError(f"{where}: checksum mismatch, the compressed data is corrupted")
         tensor.validate(where)
@@ -197,22 +262,35 @@ class CompressedTensor:
 
     def validate(self, where: str) -> None:
         """Structural checks that keep a decoder's reads in bounds, even on crafted input."""
-        m = self.raw.numel()
-        chunks = -(-m // self.chunk) if self.chunk > 0 else -1
-        offsets = self.offsets.cpu()
+        m = self.stream_words
+        chunks = -(-m // self.chunk) if self.chunk > 0 and m >= 0 else -1
         ok = (
             self.chunk > 0
-            and offsets.dtype == torch.int32
             and self.bits.dtype == self.raw.dtype == self.code.dtype == torch.uint8
-            and offsets.numel() == chunks
+            and self.offsets.numel() == chunks
             and self.bits.numel() >= PAD_BYTES
-            and (chunks == 0 or int(offsets[0]) == 0)
-            and bool(torch.all(offsets[1:] >= offsets[:-1]))
-            and (chunks == 0 or int(offsets[-1]) <= self.bits.numel() - PAD_BYTES)
+            and self._stream_ok(m)
             and (m == self.numel if self.palette is None else self._palette_ok(m))
         )
         if not ok:
             raise CorruptDataError(f"{where}: inconsistent compressed tensor layout")
+
+    def _stream_ok(self, m: int) -> bool:
+        """Chunk offsets in order and inside ``bits``; raw fields of the right size."""
+        offsets = self.offsets.cpu()
+        if self.extra_bits == 0:
+            return (
+                offsets.dtype == torch.int32
+                and (m == 0 or int(offsets[0]) == 0)
+                and bool(torch.all(offsets[1:] >= offsets[:-1]))
+                and (m == 0 or int(offsets[-1]) <= self.bits.numel() - PAD_BYTES)
+            )
+        return (
+            offsets.dtype == torch.int16
+            and bool(torch.all(offsets >= 0))
+            and int(offsets.to(torch.int64).sum()) <= self.bits.numel() - PAD_BYTES
+            and self.raw.numel() == field_bytes(m, self.raw_bits, PAD_BYTES)
+        )
 
     def _palette_ok(self, stream_words: int) -> bool:
         """The palette fields have their exact sizes and the block sizes sum to the stream."""

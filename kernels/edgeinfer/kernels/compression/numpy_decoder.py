@@ -9,7 +9,9 @@ symbol bytes, advance. Four codewords fit in 16 bits ~96% of the time on trained
 (~2.7 bits each); the lanes where they do not take one more lookup on that small subset. As every
 lane yields the same number of symbols per step, the output needs no compaction and the loop runs
 a known number of steps. Many tensors share one loop (each lane looks up its own tensor's table),
-so small tensors do not pay the per-step overhead alone.
+so small tensors do not pay the per-step overhead alone. The lanes decode each symbol's rank in
+its code (at most 256 symbols, so a byte); ``_assemble`` maps ranks to symbols, which differ
+only in extended streams (exponent plus mantissa bits, up to 11 bits).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeinfer.kernels.compression.format import CompressedTensor
-from edgeinfer.kernels.compression.huffman import decode_table
+from edgeinfer.kernels.compression.huffman import LENGTH_SHIFT, decode_table
 from edgeinfer.kernels.compression.palette import COUNT_BITS, gather, n_blocks, unpack_fields
 
 GROUP = 4
@@ -34,10 +36,15 @@ _USED_SHIFT = _CUM_SHIFT + 5 * (GROUP - 1)
 _MISSING_SHIFT = 62
 
 
-def group_table(pairs: np.ndarray, peek_bits: int) -> np.ndarray:
-    """Table over every ``peek_bits``-bit window (uint64, shape (2**peek_bits,)); layout above."""
-    single, max_len = decode_table(pairs)
-    single = np.tile(single, 1 << (peek_bits - max_len)).astype(_U64)  # low bits decide
+def group_table(lengths: np.ndarray, peek_bits: int) -> np.ndarray:
+    """Table over every ``peek_bits``-bit window (uint64, shape (2**peek_bits,)); layout above.
+
+    ``lengths`` are the code lengths of the code's symbols in order; the table holds their ranks.
+    """
+    ranks, max_len = decode_table(np.arange(len(lengths)), lengths)
+    # Re-packed as rank | length << 8; the low bits of the window decide.
+    single = (ranks & 0xFF) | ((ranks >> LENGTH_SHIFT) << 8)
+    single = np.tile(single, 1 << (peek_bits - max_len)).astype(_U64)
     mask = _U64((1 << peek_bits) - 1)
     window = np.arange(1 << peek_bits, dtype=_U64)
     entry = np.zeros_like(window)
@@ -61,7 +68,7 @@ def peek_bits_for(tensor: CompressedTensor) -> int:
     Building the table costs about as much per entry as decoding costs per symbol, and a small
     table also stays in cache; a narrower window only sends more lanes to ``_complete``.
     """
-    _, max_len = decode_table(tensor.code.numpy())
+    max_len = int(tensor.code_lengths()[1].max())
     return max(max_len, min(MAX_PEEK_BITS, tensor.numel.bit_length() - 7))
 
 
@@ -102,14 +109,15 @@ def _decode_batch(tensors: list[CompressedTensor], chunk: int) -> list[np.ndarra
         byte_view[base * 4 : base * 4 + len(stream)] = stream
     # pairs[i] = words[i] | words[i + 1] << 32: any 16-bit window at bit p is in pairs[p >> 5].
     pairs = words[:-1].astype(_U64) | (words[1:].astype(_U64) << _U64(32))
+    codes = [t.code_lengths() for t in tensors]
     peek = [peek_bits_for(t) for t in tensors]
-    tables = [group_table(t.code.numpy(), bits) for t, bits in zip(tensors, peek, strict=True)]
+    tables = [group_table(lengths, bits) for (_, lengths), bits in zip(codes, peek, strict=True)]
     table_start = np.cumsum([0] + [len(t) for t in tables])[:-1].astype(_U64)
     lane_state = {
         "pos": np.concatenate(
             [np.zeros(0, _U64)]
             + [
-                t.offsets.numpy().astype(_U64) * _U64(8) + _U64(b * 32)
+                t.chunk_starts().numpy().astype(_U64) * _U64(8) + _U64(b * 32)
                 for t, b in zip(tensors, word_base[:-1], strict=True)
             ]
         ),
@@ -127,8 +135,8 @@ def _decode_batch(tensors: list[CompressedTensor], chunk: int) -> list[np.ndarra
         rows[block].view(np.uint32)[:] = dense.T
     outputs = []
     first_lane = 0
-    for tensor, lanes in zip(tensors, lanes_of, strict=True):
-        outputs.append(_assemble(tensor, rows[first_lane : first_lane + lanes, :chunk]))
+    for tensor, lanes, (symbols, _) in zip(tensors, lanes_of, codes, strict=True):
+        outputs.append(_assemble(tensor, symbols, rows[first_lane : first_lane + lanes, :chunk]))
         first_lane += lanes
     return outputs
 
@@ -197,14 +205,17 @@ def _complete(
     return symbols.astype(np.uint32)
 
 
-def _assemble(tensor: CompressedTensor, rows: np.ndarray) -> np.ndarray:
-    """Join coded rows (C, chunk) and the raw bytes into the original 16-bit words (flat)."""
-    n = tensor.raw.numel()
-    coded = rows.reshape(-1)[:n]
-    # Little-endian word = coded << 8 | raw.
-    words = coded.astype(np.uint16)
-    words <<= np.uint16(8)
-    words |= tensor.raw.numpy()
+def _assemble(tensor: CompressedTensor, symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Join rank rows (C, chunk) and the raw fields into the original 16-bit words (flat)."""
+    n = tensor.stream_words
+    ranks = rows.reshape(-1)[:n]
+    # Word = symbol << raw_bits | raw field.
+    words = symbols.astype(np.uint16)[ranks]
+    words <<= np.uint16(tensor.raw_bits)
+    raw = tensor.raw.numpy()
+    if tensor.extra_bits:
+        raw = unpack_fields(raw, tensor.raw_bits, n).astype(np.uint16)
+    words |= raw
     if tensor.dtype == "bfloat16":
         # Undo the encoder's rotate-left: eeeeeeee mmmmmmms -> s eeeeeeee mmmmmmm.
         high = words << np.uint16(15)

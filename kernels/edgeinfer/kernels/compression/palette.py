@@ -30,14 +30,14 @@ FIELD_PAD = 2
 BLOCK_SIZES = (32, 64, 128, 256)
 
 
-def field_bytes(count: int, width: int) -> int:
-    """Stored size of ``count`` packed ``width``-bit fields, padding included."""
-    return (count * width + 7) // 8 + FIELD_PAD
+def field_bytes(count: int, width: int, pad: int = FIELD_PAD) -> int:
+    """Stored size of ``count`` packed ``width``-bit fields, ``pad`` bytes of padding included."""
+    return (count * width + 7) // 8 + pad
 
 
-def pack_fields(values: np.ndarray, width: int) -> np.ndarray:
-    """Pack non-negative ints (each < 2**width) LSB-first into uint8, then FIELD_PAD zero bytes."""
-    out = np.zeros(field_bytes(len(values), width), dtype=np.uint8)
+def pack_fields(values: np.ndarray, width: int, pad: int = FIELD_PAD) -> np.ndarray:
+    """Pack non-negative ints (each < 2**width) LSB-first into uint8, then ``pad`` zero bytes."""
+    out = np.zeros(field_bytes(len(values), width, pad), dtype=np.uint8)
     if width and len(values):
         bits = (values.astype(np.uint16)[:, None] >> np.arange(width, dtype=np.uint16)) & 1
         packed = np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")

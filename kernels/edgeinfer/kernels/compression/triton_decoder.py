@@ -6,8 +6,10 @@ word up in its block's palette, whose start comes from a prefix sum of the block
 
 Each program of ``_decode_kernel`` decodes ``BLOCK`` chunks side by side. A lane peeks ``max_len`` bits at its bit
 position (three byte loads cover 12 + 7 bits), looks the window up in the single-symbol table
-(``symbol | length << 8``; 2**max_len <= 4096 entries, so it stays in L1), joins the symbol with
-the raw byte and stores the final 16-bit word. Runs on CUDA, and on the CPU under
+(``symbol | length << 16``; 2**max_len <= 4096 entries, so it stays in L1), joins the symbol with
+the raw field (a byte, or a ``RAW_BITS``-bit field of an extended stream: one two-byte read) and
+stores the final 16-bit word. Chunk starts come from ``CompressedTensor.chunk_starts`` (a prefix
+sum on the device for extended streams). Runs on CUDA, and on the CPU under
 ``TRITON_INTERPRET=1`` (used by the tests).
 """
 
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from edgeinfer.kernels.compression.format import PAD_BYTES, CompressedTensor
-from edgeinfer.kernels.compression.huffman import decode_table
+from edgeinfer.kernels.compression.huffman import LENGTH_SHIFT, decode_table
 from edgeinfer.kernels.compression.palette import COUNT_BITS, n_blocks
 
 BLOCK = 128
@@ -39,10 +41,12 @@ def _decode_kernel(
     chunk,
     BLOCK: tl.constexpr,
     ROTATE: tl.constexpr,
+    RAW_BITS: tl.constexpr,
+    LENGTH_SHIFT: tl.constexpr,
 ):
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lane < n_chunks
-    pos = tl.load(offsets_ptr + lane, mask=live, other=0).to(tl.int64) * 8
+    pos = tl.load(offsets_ptr + lane, mask=live, other=0) * 8
     first = lane.to(tl.int64) * chunk
     for step in range(chunk):
         i = first + step
@@ -54,13 +58,20 @@ def _decode_kernel(
         b2 = tl.load(bits_ptr + byte + 2, mask=ok, other=0).to(tl.int32)
         window = ((b0 | (b1 << 8) | (b2 << 16)) >> (pos & 7).to(tl.int32)) & window_mask
         entry = tl.load(table_ptr + window, mask=ok, other=0)
-        raw = tl.load(raw_ptr + i, mask=ok, other=0).to(tl.int32)
-        word = ((entry & 0xFF) << 8) | raw
+        if RAW_BITS == 8:
+            raw = tl.load(raw_ptr + i, mask=ok, other=0).to(tl.int32)
+        else:
+            # Packed fields are followed by padding, so the second byte is always in bounds.
+            rbit = i * RAW_BITS
+            r0 = tl.load(raw_ptr + (rbit >> 3), mask=ok, other=0).to(tl.int32)
+            r1 = tl.load(raw_ptr + (rbit >> 3) + 1, mask=ok, other=0).to(tl.int32)
+            raw = ((r0 | (r1 << 8)) >> (rbit & 7).to(tl.int32)) & ((1 << RAW_BITS) - 1)
+        word = ((entry & 0xFFFF) << RAW_BITS) | raw
         if ROTATE:
             # bf16: undo the encoder's rotate-left (eeeeeeee mmmmmmms -> s eeeeeeee mmmmmmm).
             word = (word >> 1) | ((word & 1) << 15)
         tl.store(out_ptr + i, word.to(tl.int16), mask=ok)
-        pos += (entry >> 8).to(tl.int64)
+        pos += (entry >> LENGTH_SHIFT).to(tl.int64)
 
 
 @triton.jit
@@ -93,15 +104,15 @@ def _palette_kernel(
 def _decode_stream(stream: CompressedTensor) -> torch.Tensor:
     """The flat int16 words of a word stream, on its device."""
     device = stream.bits.device
-    table, max_len = decode_table(stream.code.cpu().numpy())
-    table_dev = torch.from_numpy(table.astype("int32")).to(device)
-    m = stream.raw.numel()
+    table, max_len = decode_table(*stream.code_lengths())
+    table_dev = torch.from_numpy(table).to(device)
+    m = stream.stream_words
     out = torch.empty(m, dtype=torch.int16, device=device)
     n_chunks = stream.offsets.numel()
     if n_chunks:
         _decode_kernel[(triton.cdiv(n_chunks, BLOCK),)](
             stream.bits,
-            stream.offsets,
+            stream.chunk_starts(),
             stream.raw,
             table_dev,
             out,
@@ -112,6 +123,8 @@ def _decode_stream(stream: CompressedTensor) -> torch.Tensor:
             stream.chunk,
             BLOCK=BLOCK,
             ROTATE=stream.dtype == "bfloat16",
+            RAW_BITS=stream.raw_bits,
+            LENGTH_SHIFT=LENGTH_SHIFT,
         )
     return out
 
