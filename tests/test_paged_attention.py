@@ -17,7 +17,11 @@ from edgeinfer.kernels.paged_attention import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
-from edgeinfer.kernels.paged_attention_cpu import paged_decode_attention_cpu
+from edgeinfer.kernels.paged_attention_cpu import (
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    plan_decode_cpu,
+)
 from edgeinfer.kernels.triton_utils import triton_available, triton_interpret
 
 DEVICE = "cuda" if torch.cuda.is_available() and not triton_interpret() else "cpu"
@@ -102,12 +106,47 @@ def test_decode_ref_zero_length_row_is_zero(impl):
     check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
 
 
+def test_cpu_decode_plan_groups_and_reuse():
+    # Unsorted lengths in several groups (rows out of order), a shared plan, host-list input.
+    lengths = [700, 3, 40, 650, 41, 1, 300, 16, 17, 690]
+    k_cache, v_cache, tables, lens = make_cache(lengths, 2, 16, 16, torch.float32)
+    q = torch.randn(len(lengths), 6, 16)
+    expected = naive_decode(q, k_cache, v_cache, tables, lens, 0.25)
+    plan = plan_decode_cpu(tables, lens, 16)
+    assert len(plan.groups) > 1
+    assert any(not isinstance(g.rows, slice) for g in plan.groups)
+    from_lists = plan_decode_cpu(tables.tolist(), lengths, 16)
+    for p in (plan, from_lists, plan):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25, p, out)
+        check(out, expected, torch.float32)
+
+
+def test_cpu_decode_plan_sorted_rows_are_slices():
+    # Rows in ascending length order (as the engine's runner sends them) need no row copies;
+    # host tables may be ragged (each row only its own blocks).
+    lengths = [5, 16, 17, 90, 100]
+    k_cache, v_cache, tables, lens = make_cache(lengths, 1, 16, 8, torch.float32)
+    ragged = [row[: -(-n // 8)] for row, n in zip(tables.tolist(), lengths)]
+    plan = plan_decode_cpu(ragged, lengths, 8)
+    assert all(isinstance(g.rows, slice) for g in plan.groups)
+    q = torch.randn(len(lengths), 3, 16)
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.5, plan)
+    check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.5), torch.float32)
+    with pytest.raises(ValueError, match="plan"):
+        paged_decode_attention_cpu(q[:2], k_cache, v_cache, tables, lens, 0.5, plan)
+
+
+PREFILLS = {"ref": paged_prefill_attention_ref, "cpu": paged_prefill_attention_cpu}
+
+
+@pytest.mark.parametrize("impl", list(PREFILLS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("start", "chunk"), [(0, 20), (17, 5), (32, 16), (40, 1)])
-def test_prefill_ref_matches_naive(dtype, start, chunk):
+def test_prefill_ref_matches_naive(impl, dtype, start, chunk):
     k_cache, v_cache, tables, _ = make_cache([start + chunk], 2, 32, 16, dtype)
     q = torch.randn(chunk, 8, 32).to(dtype)
-    out = paged_prefill_attention_ref(q, k_cache, v_cache, tables[0], start, 0.2)
+    out = PREFILLS[impl](q, k_cache, v_cache, tables[0], start, 0.2)
     qpos = torch.arange(start, start + chunk)
     expected = naive_attention(q, k_cache, v_cache, tables[0], start + chunk, qpos, 0.2)
     check(out, expected, dtype)

@@ -1,7 +1,8 @@
 """What one forward step needs to know about the paged KV layout of its tokens.
 
 The step's new tokens are flattened into one ``[T]`` batch: first one token per decoding
-sequence (batched through paged decode attention), then each prefill chunk (attended one
+sequence (batched through paged decode attention; ordered by context length, which lets the
+CPU kernel attend contiguous groups of similar lengths), then each prefill chunk (attended one
 sequence at a time, causally over that sequence's cached prefix plus the chunk).
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from edgeinfer.kernels.paged_attention_cpu import DecodePlan
 
 
 @dataclass
@@ -26,4 +29,6 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B_dec, max_blocks] int32
     decode_context_lens: torch.Tensor | None = None  # [B_dec] int32, including the new token
+    # CPU only: the decode grouping every layer shares (planned once per step, on the host).
+    decode_plan: DecodePlan | None = None
     prefills: list[PrefillSegment] = field(default_factory=list)

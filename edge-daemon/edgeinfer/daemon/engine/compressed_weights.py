@@ -4,7 +4,8 @@ With ``EngineConfig(compressed_weights="per_layer")`` and a compressed checkpoin
 bf16/fp16 weight of a decoder layer stays a :class:`CompressedTensor` on the model's device
 (about two thirds of its bf16 size). A forward pre-hook on the layer decodes its weights into the
 parameters (Triton on CUDA, the numpy decoder on the CPU), and a forward hook empties them again
-after the layer ran, so at most one layer is held decoded at a time. Embeddings, the LM head and
+after the layer ran, so at most one layer is held decoded at a time (its q/k/v and gate/up
+weights fused as in a decoded model, see ``FusedProjection``). Embeddings, the LM head and
 the final norm are loaded as usual: they are used outside the layers.
 
 Decoding is deterministic and bit-exact, so outputs equal those of ``decompress_at_load``; the
@@ -21,7 +22,7 @@ from torch import nn
 
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader
 from edgeinfer.daemon.engine.errors import ModelLoadError
-from edgeinfer.daemon.engine.model import CausalLM
+from edgeinfer.daemon.engine.model import CausalLM, DecoderLayer
 from edgeinfer.kernels.compression.cpu_decoder import decode_many_cpu
 from edgeinfer.kernels.compression.format import CompressedTensor
 from edgeinfer.kernels.compression.reader import decompress
@@ -33,8 +34,12 @@ class _LayerWeights:
     """The compressed weights of one decoder layer and the hooks that swap them in and out."""
 
     def __init__(
-        self, weights: list[tuple[nn.Parameter, CompressedTensor]], dtype: torch.dtype
+        self,
+        layer: DecoderLayer,
+        weights: list[tuple[nn.Parameter, CompressedTensor]],
+        dtype: torch.dtype,
     ) -> None:
+        self.layer = layer
         self.params = [param for param, _ in weights]
         self.packed = [packed for _, packed in weights]
         self.dtype = dtype
@@ -43,7 +48,7 @@ class _LayerWeights:
         self.empty = torch.empty(0, dtype=dtype, device=device)
         self.release()
 
-    def materialise(self, module: nn.Module, args: Any) -> None:
+    def materialise(self, *_: Any) -> None:
         """Forward pre-hook: decode every weight of the layer into its parameter."""
         if self.packed[0].bits.is_cuda:
             decoded = [decompress(packed) for packed in self.packed]
@@ -52,11 +57,14 @@ class _LayerWeights:
             decoded = decode_many_cpu(self.packed)
         for param, tensor in zip(self.params, decoded, strict=True):
             param.data = tensor.to(self.dtype)
+        # Same fused matmuls as a layer loaded decoded, so the outputs stay bit-identical.
+        self.layer.fuse_projections()
 
     def release(self, *_: Any) -> None:
-        """Forward hook (also called at set-up): drop the decoded weights."""
+        """Forward hook (also called at set-up): drop the decoded and the fused weights."""
         for param in self.params:
             param.data = self.empty
+        self.layer.unfuse_projections()
 
 
 def keep_layers_compressed(
@@ -71,6 +79,8 @@ def keep_layers_compressed(
     handled: set[str] = set()
     # Module names equal checkpoint tensor names (see model.py), so the layer prefix is known.
     for i, layer in enumerate(model.model.layers):
+        if not isinstance(layer, DecoderLayer):
+            continue
         weights: list[tuple[nn.Parameter, CompressedTensor]] = []
         for local, param in layer.named_parameters():
             name = f"model.layers.{i}.{local}"
@@ -85,7 +95,7 @@ def keep_layers_compressed(
             weights.append((param, packed.to(device)))
             handled.add(name)
         if weights:
-            hold = _LayerWeights(weights, dtype)
+            hold = _LayerWeights(layer, weights, dtype)
             layer.register_forward_pre_hook(hold.materialise)
             # always_call: a failing forward must not leave the layer decoded for good.
             layer.register_forward_hook(hold.release, always_call=True)

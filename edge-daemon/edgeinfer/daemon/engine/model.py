@@ -3,7 +3,9 @@
 Reads top to bottom like the Hugging Face modelling code it must match, with one change: a
 step's tokens are one flat ``[T]`` batch from many sequences, and attention reads and writes
 the paged KV cache described by :class:`AttentionMetadata`. Module names equal the checkpoint
-tensor names, so loading is a straight copy.
+tensor names, so loading is a straight copy; q/k/v and gate/up then each run as one matmul over
+a stacked weight whose rows the checkpoint parameters are views of (:class:`FusedProjection`),
+and on the CPU in float32 every projection runs on oneDNN with packed weights (:mod:`linear`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata
+from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
 from edgeinfer.daemon.engine.kv_cache import KVCache
+from edgeinfer.daemon.engine.linear import Linear, can_pack, linear, pack
 from edgeinfer.daemon.engine.model_config import ModelConfig
-from edgeinfer.daemon.engine.rope import RotaryEmbedding, apply_rotary
+from edgeinfer.daemon.engine.rope import RotaryEmbedding, Rotation
 from edgeinfer.kernels.paged_attention import decode_attention, paged_prefill_attention_ref
+from edgeinfer.kernels.paged_attention_cpu import (
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    prefill_attention_cpu,
+)
 
 
 class RMSNorm(nn.Module):
@@ -26,11 +34,63 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # The same ops as below in one call (bit-identical): less dispatch per token.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, exactly as transformers does.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class FusedProjection(nn.Module):
+    """Projections of one input computed as one matmul: ``[x @ W1.T + b1, x @ W2.T + b2, ...]``.
+
+    :meth:`fuse` stacks the weights into one ``[sum(out), in]`` tensor and makes each
+    projection's parameter a view of its rows, so checkpoint names, loading (a copy into the
+    parameter) and tensor-parallel slicing are untouched. Until then, or after :meth:`unfuse`,
+    each projection runs on its own.
+    """
+
+    def __init__(self, *projections: nn.Linear) -> None:
+        super().__init__()
+        if len({p.bias is None for p in projections}) > 1:
+            raise ValueError("fused projections must all have a bias or none")
+        # A plain list, not submodules: the parameters keep their checkpoint names only.
+        self._projections = list(projections)
+        self.weight: torch.Tensor | None = None  # [sum(out), in]
+        self.bias: torch.Tensor | None = None  # [sum(out)]
+        self.sizes = [p.out_features for p in projections]
+
+    def fuse(self) -> None:
+        weight = torch.cat([p.weight.detach() for p in self._projections])  # [sum(out), in]
+        for p, rows in zip(self._projections, weight.split(self.sizes), strict=True):
+            p.weight.data = rows
+        biases = [p.bias for p in self._projections if p.bias is not None]
+        bias = torch.cat([b.detach() for b in biases]) if biases else None
+        for b, part in zip(biases, bias.split(self.sizes) if bias is not None else (), strict=True):
+            b.data = part
+        self.weight, self.bias = weight, bias
+
+    def unfuse(self) -> None:
+        """Drop the stacked tensors (call after the parameters were given other storage)."""
+        self.weight = self.bias = None
+
+    def pack(self) -> None:
+        """Keep the fused weight only in oneDNN's packed layout (see :func:`linear.pack`); the
+        parameters are emptied. A no-op unless fused, on the CPU in float32."""
+        if self.weight is None or not can_pack(self.weight):
+            return
+        self.weight = pack(self.weight)
+        for p in self._projections:
+            p.weight.data = p.weight.new_empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., sum(out)]``: the projections side by side, in their order."""
+        if self.weight is None:
+            return torch.cat([p(x) for p in self._projections], dim=-1)
+        return linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -44,70 +104,91 @@ class Attention(nn.Module):
         qkv_bias = cfg.attention_bias
         # Qwen2 biases q/k/v only; Llama and Qwen3 apply attention_bias to o_proj as well.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, D]
-        sin: torch.Tensor,
+        rot: Rotation,
         meta: AttentionMetadata,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x).view(t, h + 2 * hkv, d)  # heads of q, then k, then v
+        v = qkv[:, h + hkv :]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rot.apply(self.q_norm(qkv[:, :h])), rot.apply(self.k_norm(qkv[:, h : h + hkv]))
+        else:
+            qk = rot.apply(qkv[:, : h + hkv])  # q and k rotate together: [T, H + Hkv, D]
+            q, k = qk[:, :h], qk[:, h:]
 
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k = k_cache.view(-1, hkv, d)
+        flat_v = v_cache.view(-1, hkv, d)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)  # [T, H, D]
+        out = q.new_empty(t, h, d)
         nd = meta.num_decode_tokens
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if nd and tables is not None and lens is not None:
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, tables, lens, self.scale)
+            if meta.decode_plan is not None:
+                paged_decode_attention_cpu(
+                    q[:nd], k_cache, v_cache, tables, lens, self.scale, meta.decode_plan, out[:nd]
+                )
+            else:
+                out[:nd] = decode_attention(q[:nd], k_cache, v_cache, tables, lens, self.scale)
         for seg in meta.prefills:
             s, e = seg.start, seg.start + seg.length
-            if seg.start_pos == 0:
-                # Nothing cached before the chunk: attend to its own K/V without a gather.
-                o = F.scaled_dot_product_attention(
-                    q[s:e].transpose(0, 1),
-                    k[s:e].transpose(0, 1),
-                    v[s:e].transpose(0, 1),
-                    is_causal=True,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )
-                out[s:e] = o.transpose(0, 1)
-            else:
-                out[s:e] = paged_prefill_attention_ref(
-                    q[s:e], k_cache, v_cache, seg.block_table, seg.start_pos, self.scale
-                )
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], seg, k_cache, v_cache)
         return self.o_proj(out.view(t, -1))
+
+    def _prefill(
+        self,
+        q: torch.Tensor,  # [T, H, D], one sequence's chunk
+        k: torch.Tensor,  # [T, Hkv, D], the chunk's own keys (also cached by now)
+        v: torch.Tensor,
+        seg: PrefillSegment,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Causal attention of a chunk over its cached prefix and itself; ``[T, H, D]``."""
+        cpu = q.device.type == "cpu"
+        if seg.start_pos:
+            paged = paged_prefill_attention_cpu if cpu else paged_prefill_attention_ref
+            return paged(q, k_cache, v_cache, seg.block_table, seg.start_pos, self.scale)
+        if cpu:
+            return prefill_attention_cpu(q, k, v, self.scale)
+        # Nothing cached before the chunk: attend to its own K/V without a gather.
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o.transpose(0, 1)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         bias = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up = FusedProjection(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -121,14 +202,28 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rot: Rotation,
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        x = x + self.self_attn(self.input_layernorm(x), rot, meta, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fuse_projections(self) -> None:
+        """One matmul for q/k/v and one for gate/up (see :class:`FusedProjection`)."""
+        self.self_attn.qkv.fuse()
+        self.mlp.gate_up.fuse()
+
+    def unfuse_projections(self) -> None:
+        self.self_attn.qkv.unfuse()
+        self.mlp.gate_up.unfuse()
+
+    def pack_weights(self) -> None:
+        self.self_attn.qkv.pack()
+        self.self_attn.o_proj.pack()
+        self.mlp.gate_up.pack()
+        self.mlp.down_proj.pack()
 
 
 class DecoderModel(nn.Module):
@@ -145,9 +240,27 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.rotary_emb = RotaryEmbedding(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Fuse the projections of every decoder layer this model holds; call once the
+        parameters have their final device and dtype, before or after loading them."""
+        for layer in self.model.layers:
+            if isinstance(layer, DecoderLayer):  # pipeline stages hold placeholders elsewhere
+                layer.fuse_projections()
+
+    def pack_weights(self) -> None:
+        """On the CPU in float32, hold every projection's weight in oneDNN's packed layout only
+        (see :mod:`linear`): the parameters are emptied, so call this once, after loading, and
+        never with weights that change afterwards (per-layer compressed weights). A tied LM
+        head keeps the embedding's weight and packs a copy."""
+        for layer in self.model.layers:
+            if isinstance(layer, DecoderLayer):
+                layer.pack_weights()
+        if isinstance(self.lm_head, Linear):
+            self.lm_head.pack(keep_weight=self.config.tie_word_embeddings)
 
     def forward(
         self,
@@ -161,9 +274,9 @@ class CausalLM(nn.Module):
         """Run one step; returns float32 logits ``[N, vocab]`` (``[T, vocab]`` if no indices)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, max_position)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        rot = Rotation.build(cos, sin, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta, kv_cache.k[i], kv_cache.v[i])
+            x = layer(x, rot, meta, kv_cache.k[i], kv_cache.v[i])
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.model.norm(x)).float()

@@ -22,6 +22,7 @@ from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding
 from edgeinfer.daemon.engine.scheduler import ScheduledBatch
 from edgeinfer.daemon.engine.sequence import Sequence
+from edgeinfer.kernels.paged_attention_cpu import plan_decode_cpu
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class ModelRunner:
         if model_cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
         model.rotary_emb = RotaryEmbedding(model_cfg).to(self.device)
+        # Before loading: the parameters become views of the fused weights and load into them.
+        model.fuse_projections()
         optional = {"lm_head.weight"} if model_cfg.tie_word_embeddings else set()
         with CheckpointReader(model_dir) as reader:
             kept: set[str] = set()
@@ -82,6 +85,8 @@ class ModelRunner:
                 show_progress=cfg.show_progress,
                 optional=optional | kept,
             )
+        if cfg.compressed_weights != "per_layer":
+            model.pack_weights()
         return model.eval()
 
     def check_health(self) -> None:
@@ -93,7 +98,10 @@ class ModelRunner:
     ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, list[Sequence], int]:
         """Flatten a batch into model inputs; returns inputs, metadata and sampling sequences."""
         bs = self.block_size
-        decodes = [(s, n) for s, n in batch.entries if n == 1]
+        # Shortest context first: the CPU decode kernel attends runs of similar lengths.
+        decodes = sorted(
+            ((s, n) for s, n in batch.entries if n == 1), key=lambda e: e[0].num_computed_tokens
+        )
         prefills = [(s, n) for s, n in batch.entries if n != 1]
         ids: list[int] = []
         pos: list[int] = []
@@ -138,10 +146,11 @@ class ModelRunner:
         if decodes:
             width = max(len(s.block_table) for s, _ in decodes)
             tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes]
+            lens = [s.num_computed_tokens + 1 for s, _ in decodes]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
-            meta.decode_context_lens = torch.tensor(
-                [s.num_computed_tokens + 1 for s, _ in decodes], dtype=torch.int32, device=dev
-            )
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            if dev.type == "cpu":
+                meta.decode_plan = plan_decode_cpu(tables, lens, bs)
         inputs = {
             "input_ids": torch.tensor(ids, dtype=torch.long, device=dev),
             "positions": torch.tensor(pos, dtype=torch.long, device=dev),

@@ -8,6 +8,7 @@ The inverse frequencies follow ``transformers.modeling_rope_utils`` for the ``de
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -151,3 +152,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos = cos.to(x.dtype).unsqueeze(1)  # [T, 1, D] broadcasts over heads
     sin = sin.to(x.dtype).unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """One step's rotation, prepared once for every layer: ``apply`` equals :func:`apply_rotary`
+    bit for bit with three elementwise ops instead of six.
+
+    ``rotate_half(x) * sin`` is ``roll(x, D / 2) * sin'`` with the first half of ``sin'``
+    negated: both multiply the same values up to an exact sign flip.
+    """
+
+    cos: torch.Tensor  # [T, 1, D], in the activations' dtype
+    signed_sin: torch.Tensor  # [T, 1, D]
+
+    @classmethod
+    def build(cls, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """From ``cos``/``sin`` ``[T, D]`` (:class:`RotaryEmbedding`), cast as transformers does."""
+        sin = sin.to(dtype)
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cls(cos.to(dtype).unsqueeze(1), signed.unsqueeze(1))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, H, D]``."""
+        rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)  # cat(x2, x1)
+        return x * self.cos + rolled * self.signed_sin

@@ -128,8 +128,10 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
         device = logits.device
-        # Work on a float32 copy: the caller's logits stay untouched.
-        logits = logits.to(torch.float32, copy=True)
+        # Penalties and min_tokens edit the logits in place: then work on a float32 copy, so
+        # the caller's logits stay untouched. Nothing else writes to them.
+        edits = any(r.has_penalties or r.num_output_tokens < r.params.min_tokens for r in requests)
+        logits = logits.to(torch.float32, copy=edits)
         lp_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         # [L, V] raw log-probs, taken before any processing mutates `logits`.
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
@@ -137,15 +139,17 @@ class Sampler:
         apply_penalties(logits, requests)
         apply_min_tokens(logits, requests)
 
-        tokens = torch.empty(len(requests), dtype=torch.int64, device=device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if greedy:
-            rows = torch.tensor(greedy, device=device)
-            tokens[rows] = logits[rows].argmax(dim=-1)
-        if sampled:
+        if not sampled:
+            tokens = logits.argmax(dim=-1)  # all greedy (a common case): no row gathers
+        else:
+            tokens = torch.empty(len(requests), dtype=torch.int64, device=device)
+            if greedy:
+                rows = torch.tensor(greedy, device=device)
+                tokens[rows] = logits[rows].argmax(dim=-1)
             rows = torch.tensor(sampled, device=device)
-            # All rows sampled (the common case): skip the [S, V] gather copy.
+            # All rows sampled (the other common case): skip the [S, V] gather copy.
             sub = logits if len(sampled) == len(requests) else logits[rows]
             tokens[rows] = _sample_rows(sub, [requests[i] for i in sampled])
 

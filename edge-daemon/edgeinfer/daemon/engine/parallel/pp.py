@@ -19,6 +19,7 @@ from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata
 from edgeinfer.daemon.engine.kv_cache import KVCache
 from edgeinfer.daemon.engine.model import CausalLM
 from edgeinfer.daemon.engine.parallel.comm import Comm
+from edgeinfer.daemon.engine.rope import Rotation
 from edgeinfer.daemon.engine.sequence import Sequence
 
 _LOGITS_TAG = 1 << 20  # hidden states use the micro-batch index as their tag
@@ -53,6 +54,7 @@ class MicroBatch:
             decode_block_tables=move(m.decode_block_tables),
             decode_context_lens=move(m.decode_context_lens),
             prefills=[replace(p, block_table=move(p.block_table)) for p in m.prefills],
+            decode_plan=m.decode_plan if device.type == "cpu" else None,
         )
         ids, pos, rows = move(self.input_ids), move(self.positions), move(self.logits_indices)
         return MicroBatch(ids, pos, meta, rows, self.max_position)
@@ -91,9 +93,9 @@ def stage_forward(
     if x is None:
         x = model.model.embed_tokens(mb.input_ids)
     cos, sin = model.rotary_emb(mb.positions, mb.max_position)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rot = Rotation.build(cos, sin, x.dtype)
     for j, i in enumerate(layers):  # j: the layer's index in this rank's KV cache
-        x = model.model.layers[i](x, cos, sin, mb.meta, kv.k[j], kv.v[j])
+        x = model.model.layers[i](x, rot, mb.meta, kv.k[j], kv.v[j])
     if model.lm_head is None:
         return x
     if mb.logits_indices is not None:

@@ -112,6 +112,7 @@ def build_shard(
     if cfg.tie_word_embeddings and first and last:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
     model.rotary_emb = RotaryEmbedding(cfg).to(device)
+    model.fuse_projections()  # column-parallel shards fuse like whole weights; load_shard fills them
     return model.eval()
 
 
