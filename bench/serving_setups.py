@@ -42,23 +42,24 @@ def launch(
     workdir = Path(tempfile.mkdtemp(prefix=f"serving-{setup}-"))
     procs: list[ChildProcess] = []
 
-    def daemon(name: str, core: str, threads: int, *flags: str) -> ChildProcess:
+    def daemon(name: str, core: str, *flags: str) -> ChildProcess:
+        # Torch threads: the daemon's own default (the cores it is pinned to, but one).
         port, kv_port = free_port(), free_port()
-        env = {"EDGEINFER_HEARTBEAT_PORT": str(free_port()), "EDGEINFER_NUM_THREADS": str(threads)}
+        env = {"EDGEINFER_HEARTBEAT_PORT": str(free_port())}
         cmd = daemon_cmd(model_dir, core, port, kv_port, *flags)
         url = f"http://127.0.0.1:{port}"
         procs.append(spawn(name, cmd, workdir=workdir, url=url, env=env, ports={"kv": kv_port}))
         return procs[-1]
 
     if setup == "both":
-        api = daemon("both", both, 2, "--role", "both")
+        api = daemon("both", both, "--role", "both")
     elif setup == "pd":
-        prefill = daemon("prefill", first, 1, "--role", "prefill")
+        prefill = daemon("prefill", first, "--role", "prefill")
         threshold = [] if args.local_prefill_threshold is None else [
             "--local-prefill-threshold", str(args.local_prefill_threshold)]  # fmt: skip
         # The decode daemon's ZeroMQ client reconnects until the prefill daemon listens.
         api = daemon(
-            "decode", second, 1, "--role", "decode",
+            "decode", second, "--role", "decode",
             "--prefill-peer", prefill.tcp_endpoint("kv"), *threshold,
         )  # fmt: skip
     elif setup == "vllm":
