@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from edgeinfer.daemon.engine.config import CompressedWeights, DType, EngineConfig
 from edgeinfer.daemon.engine.default_model import DEFAULT_MODEL
 from edgeinfer.daemon.engine.errors import EngineError
@@ -143,7 +145,10 @@ class DaemonConfig:
         turns on the same cores. Measured on 2 cores, 8 streams (`bench/serving.py`): 1 torch
         thread serves 92 output tok/s, 2 threads 69. Parallel ranks keep torch's own default.
         """
-        if self.num_threads is not None or self.device != "cpu":
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.num_threads is not None or torch.device(device).type != "cpu":
             return self.num_threads
         if self.tensor_parallel * self.pipeline_parallel > 1:
             return None

@@ -1,0 +1,27 @@
+"""DaemonConfig's derived engine settings."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from edgeinfer.daemon.config import DaemonConfig
+
+
+def test_cpu_engine_threads_leave_one_core_to_the_event_loop() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert DaemonConfig(device="cpu").engine_threads() == max(1, cores - 1)
+    assert DaemonConfig(device="cpu").to_engine_config().num_threads == max(1, cores - 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"device": "cpu", "num_threads": 3}, 3),  # an explicit setting wins
+        ({"device": "cpu", "tensor_parallel": 2}, None),  # ranks split the host themselves
+        ({"device": "cuda"}, None),  # torch's default drives no GPU work
+    ],
+)
+def test_engine_threads_otherwise(overrides: dict[str, object], expected: int | None) -> None:
+    assert DaemonConfig(**overrides).engine_threads() == expected  # type: ignore[arg-type]
