@@ -41,6 +41,7 @@ import platform  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+import zlib  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -100,7 +101,10 @@ def synthetic_heartbeat(url: str, pop: str, seq: int, rng: random.Random) -> Hea
         ttft_p50_s=rng.uniform(0.05, 0.5),
         itl_p50_s=rng.uniform(0.01, 0.05),
         queued_prefill_tokens=int(rng.expovariate(1 / 4000)),
-        draining=rng.random() < 0.05,
+        # A drain is an operator's action that lasts minutes: the same ~5% of daemons in every
+        # heartbeat, not a coin flipped per beat (that would be a drain or an undrain, and a
+        # snapshot rebuild, in every tenth heartbeat).
+        draining=zlib.crc32(url.encode()) % 20 == 0,
         drained=False,
         in_flight=running + waiting,
         seq=seq,

@@ -105,6 +105,19 @@ def test_draining_full_and_admin_drains_are_excluded(reg: PopRegistry) -> None:
         reg.drain_daemon("http://nope:1")
 
 
+def test_placeable_sees_a_drain_made_after_the_snapshot(reg: PopRegistry) -> None:
+    """The proxy's last check before sending: a drain between select() and the send counts."""
+    reg.update(hb(seq=1), 0.0)
+    reg.snapshot(0.0)
+    assert reg.placeable([FRA], 0.0)
+    reg.drain_daemon(FRA)
+    assert not reg.placeable([FRA], 0.0)
+    assert not reg.placeable([NYC], 0.0)  # never heard from: not placeable either
+    assert not reg.placeable(["http://unknown:1"], 0.0)
+    reg.undrain_daemon(FRA)
+    assert reg.placeable([FRA], 0.0)
+
+
 def test_mark_down_lasts_until_the_next_heartbeat(reg: PopRegistry) -> None:
     reg.update(hb(seq=1), 0.0)
     reg.mark_down(FRA, 0.5)

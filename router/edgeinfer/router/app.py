@@ -27,6 +27,7 @@ from edgeinfer.router.network import NetworkModel, RttProber
 from edgeinfer.router.openai_api import error_response
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry
 from edgeinfer.router.proxy import PROXY_KEY, Proxy
+from edgeinfer.shared.logs import ACCESS_LOG_FORMAT
 from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,12 @@ def make_runner(app: web.Application, config: RouterConfig) -> web.AppRunner:
     what closes the upstream connection, so the daemon stops generating for nobody even while
     it is silent (prefilling) and nothing would otherwise be written to the gone client.
     """
-    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.shutdown_timeout_s)
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=config.shutdown_timeout_s,
+        access_log_format=ACCESS_LOG_FORMAT,
+    )
 
 
 async def _services(app: web.Application) -> AsyncIterator[None]:
@@ -77,6 +83,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=config.pool_limit, limit_per_host=0)
     session = aiohttp.ClientSession(
         connector=connector,
+        # A daemon's cookies must not be replayed to it on other clients' requests.
+        cookie_jar=aiohttp.DummyCookieJar(),
         # Bytes pass through as the daemon encoded them; timeouts are per upstream read.
         auto_decompress=False,
         timeout=aiohttp.ClientTimeout(

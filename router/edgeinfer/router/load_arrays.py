@@ -150,8 +150,11 @@ class LoadArrays:
         self.p_pop: IntArray = pm[:, 4].astype(np.intp)
         self.pooled_short = self.pooled_long = math.inf
         self.pool: IntArray  # indices into p of the cheapest prefill daemons (module doc)
-        self.pool_set: set[int]
+        self.pool_at: dict[int, int]  # index into p -> position in the pool
+        self.pool_inv: FloatArray  # [pool] p_inv of the pool, gathered once
+        self.pool_end: FloatArray  # [pool] p_end of the pool, kept current with p_end
         self.d_pool_rtt: FloatArray  # [D, pool] RTT, 0 within a PoP
+        self.d_pool_far: FloatArray  # [D, pool] 1.0 where the pages must travel, else 0.0
         # Per D: index into p of its PoP's best prefill daemon, judged on one chunk (queues differ
         # more than speeds), -1 if none. Chosen per snapshot, like the pool.
         chunk_cost = np.maximum(self.p_end - t, 0.0) + cfg.prefill_chunk_tokens * self.p_inv
@@ -209,29 +212,30 @@ class LoadArrays:
 
     # ---- one row at a time (must compute what _derive_all does) -----------------------
     def _derive(self, i: int, t: float) -> None:
+        # Runs for every placement (one or two rows): conditional expressions, not max()/min().
         cfg = self.cfg
-        running, waiting, free, rate = (
-            self.running[i],
-            self.waiting[i],
-            self.free[i],
-            self.d_rate[i],
-        )
+        running, waiting, free = self.running[i], self.waiting[i], self.free[i]
+        rate = self.d_rate[i]
         itl = (running + 1) / rate if running > 0 and self.measured[i] else self.p50[i]
         penalty = 0.0 if itl <= cfg.itl_slo_s else BIG + itl
         admit_wait = (waiting + 1.0) * cfg.mean_output_tokens / rate
-        self.d_static[i] = penalty + (admit_wait if waiting > 0 or free <= 0 else 0.0)
+        static = penalty + admit_wait if waiting > 0 or free <= 0 else penalty
         local_inv, local_end = self.local_inv[i], self.local_end[i]
-        local_q = max(local_end - t, 0.0)
+        local_q = local_end - t if local_end > t else 0.0
         limited = 0.0 if self.both[i] else math.inf
         c = self.colo[i]
-        colo_end, colo_inv = (self.p_end.item(c), self.p_inv.item(c)) if c >= 0 else (math.inf, 0.0)
-        colo_q = max(colo_end - t, 0.0)
+        if c >= 0:
+            colo_end, colo_inv = self.p_end.item(c), self.p_inv.item(c)
+            colo_q = colo_end - t if colo_end > t else 0.0
+        else:
+            colo_end, colo_inv, colo_q = math.inf, 0.0, math.inf
         ns, nl = cfg.local_prefill_max_tokens, 4 * cfg.prefill_chunk_tokens
         own_short = min(local_q + ns * local_inv, colo_q + ns * colo_inv)
         own_long = min(local_q + nl * local_inv + limited, colo_q + nl * colo_inv)
-        self.own_short[i], self.own_long[i] = own_short, own_long
-        self.key_short[i] = self.d_static.item(i) + min(own_short, self.pooled_short)
-        self.key_long[i] = self.d_static.item(i) + min(own_long, self.pooled_long)
+        self.d_static[i], self.own_short[i], self.own_long[i] = static, own_short, own_long
+        pooled_short, pooled_long = self.pooled_short, self.pooled_long
+        self.key_short[i] = static + (own_short if own_short < pooled_short else pooled_short)
+        self.key_long[i] = static + (own_long if own_long < pooled_long else pooled_long)
         self.d_rows[i] = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv, limited,
                           colo_end, colo_inv, penalty, itl)  # fmt: skip
         self.load[i] = running + waiting
@@ -248,15 +252,18 @@ class LoadArrays:
         sizes = (cfg.local_prefill_max_tokens, 8 * cfg.prefill_chunk_tokens)
         ranked = [np.argsort(q + n * self.p_inv, kind="stable")[:k] for n in sizes]
         self.pool = np.unique(np.concatenate(ranked)).astype(np.intp)
-        self.pool_set = set(self.pool.tolist())
+        self.pool_at = {j: k for k, j in enumerate(self.pool.tolist())}
+        self.pool_inv = self.p_inv[self.pool]
+        self.pool_end = self.p_end[self.pool]
         self.d_pool_rtt = self.geo.rtt[:, self.p_pop[self.pool]][self.d_pop]
+        self.d_pool_far = (self.d_pool_rtt > 0).astype(np.float64)
         self._pooled(t)
 
     def _pooled(self, t: float) -> bool:
         """The cheapest pooled prefill for a short and a long prompt: the lower bound that
         pruning uses for every D. True if it moved (the keys must follow)."""
-        cfg, inv = self.cfg, self.p_inv[self.pool]
-        q = np.maximum(self.p_end[self.pool] - t, 0.0)
+        cfg, inv = self.cfg, self.pool_inv
+        q = np.maximum(self.pool_end - t, 0.0)
         sizes = (cfg.local_prefill_max_tokens, 4 * cfg.prefill_chunk_tokens)
         short, long = (float((q + n * inv).min()) if len(self.pool) else math.inf for n in sizes)
         changed = (short, long) != (self.pooled_short, self.pooled_long)
@@ -279,12 +286,16 @@ class LoadArrays:
             if prefill and (j := self.p_of.get(url)) is not None:
                 # An idle daemon starts on new work now; work taken back leaves the rest.
                 end = self.p_end.item(j)
-                self.p_end[j] = (max(end, t) if prefill > 0 else end) + prefill * self.p_inv.item(j)
+                end = (max(end, t) if prefill > 0 else end) + prefill * self.p_inv.item(j)
+                self.p_end[j] = end
+                if (k := self.pool_at.get(j)) is not None:
+                    self.pool_end[k] = end
+                    # More work only raises the pooled minima, so the bounds stand; less may not.
+                    if prefill < 0 and self._pooled(t):
+                        self._keys()
                 # The decode daemons it is the co-located prefill peer of are priced anew.
-                rows.update(dict.fromkeys(self.colo_rows.get(j, ()), t))
-                # More work only raises the pooled minima, so the bounds stand; less may not.
-                if prefill < 0 and j in self.pool_set and self._pooled(t):
-                    self._keys()
+                for row in self.colo_rows.get(j, ()):
+                    rows[row] = t
         for row, t in rows.items():
             self._derive(row, t)
         self.version = version

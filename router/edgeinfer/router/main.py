@@ -15,6 +15,7 @@ router sends READY=1 once it listens, STOPPING=1 on the first signal, and watchd
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -81,6 +82,10 @@ async def serve(setup: RouterSetup, settings: SettingsReloader[RouterConfig] | N
         log.info(
             "listening on http://%s (PoP %s, %d PoPs)", config.listen, config.here, len(setup.pops)
         )
+        # What start-up built (modules, the PoP table, the GeoIP reader) lives as long as the
+        # process: out of the collector's sight, a full collection no longer walks it (~25 ms
+        # here, a pause every request in flight would add to its latency).
+        gc.freeze()
         async with notifier.watchdog():
             notifier.ready(f"routing on {config.listen} (PoP {config.here})")
             await shutdown.should_exit.wait()

@@ -71,10 +71,14 @@ class NetworkModel:
         """RTT floor for great-circle distance(s) ``km``."""
         return (np.asarray(km) / self.fibre_km_per_ms + self.fixed_rtt_ms) * 1e-3
 
+    @property
+    def s_per_radian(self) -> float:
+        """Seconds of RTT floor per radian of great circle."""
+        return EARTH_RADIUS_KM / self.fibre_km_per_ms * 1e-3
+
     def rtt_floor_from_dot_s(self, dot: Any) -> Any:
-        """:meth:`rtt_floor_s` of :func:`km_from_dot`, folded into one multiply-add (hot path)."""
-        s_per_radian = EARTH_RADIUS_KM / self.fibre_km_per_ms * 1e-3
-        return np.arccos(np.minimum(np.maximum(dot, -1.0), 1.0)) * s_per_radian + (
+        """:meth:`rtt_floor_s` of :func:`km_from_dot`, folded into one multiply-add."""
+        return np.arccos(np.minimum(np.maximum(dot, -1.0), 1.0)) * self.s_per_radian + (
             self.fixed_rtt_ms * 1e-3
         )
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from edgeinfer.router.errors import RouterError
@@ -296,6 +296,13 @@ class PopRegistry:
         self._snapshot = [self._views[url] for url in self._daemons]
         self.pending.trim()  # arrays built for the new list start from the ledger's totals
         return self._snapshot
+
+    def placeable(self, urls: Iterable[str], now: float) -> bool:
+        """Whether every daemon of ``urls`` may still receive new requests (as of a snapshot
+        at ``now``): a drain between a decision and its sending is honoured at once."""
+        self.snapshot(now)
+        views = self._views
+        return all((v := views.get(url)) is not None and v.available for url in urls)
 
     def _known_pop(self, name: str) -> str:
         if name not in self._pops:

@@ -161,9 +161,8 @@ class Proxy:
         return _give_up(failures)
 
     def _still_placeable(self, placement: Placement) -> bool:
-        live = {v.url for v in self.registry.snapshot(time.monotonic()) if v.available}
-        chosen = [placement.decode] + ([placement.prefill] if placement.prefill else [])
-        return all(v.url in live for v in chosen)
+        chosen = [placement.decode.url] + ([placement.prefill.url] if placement.prefill else [])
+        return self.registry.placeable(chosen, time.monotonic())
 
     @contextlib.contextmanager
     def _track(self, placement: Placement) -> Iterator[None]:

@@ -33,6 +33,7 @@ pool in one small numpy matrix, the rest in plain Python.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import random
@@ -103,7 +104,10 @@ def select(
     t = now if now is not None else 0.0  # queues are end times on this clock (load_arrays)
     lat, lon = math.radians(client.lat), math.radians(client.lon)
     xyz = (math.cos(lat) * math.cos(lon), math.cos(lat) * math.sin(lon), math.sin(lat))
-    net_s = net.rtt_floor_from_dot_s(a.d_xyz @ np.array(xyz))
+    # Shrunk a hair so that every dot product is inside [-1, 1] without two clipping passes:
+    # arccos(1 - 1e-12) is 9 metres.
+    net_s = np.arccos(a.d_xyz @ np.multiply(xyz, 1.0 - 1e-12)) * net.s_per_radian
+    net_s += net.fixed_rtt_ms * 1e-3
     h = prep.geo.xyz_of.get(here)
     if h is None and here_point is not None:
         hl, hn = math.radians(here_point.lat), math.radians(here_point.lon)
@@ -112,39 +116,50 @@ def select(
         net_s = np.maximum(net_s, a.d_measured)
     # Keep the D with the best network + static cost; price them exactly below.
     short = prompt <= cfg.local_prefill_max_tokens
-    bound = net_s + (a.key_short if short else a.key_long)
     k = cfg.decode_candidates
-    sel = np.argpartition(bound, k - 1)[:k] if len(a.d) > k else np.arange(len(a.d))
-    pool_s, kv_l, best_l = [math.inf] * len(sel), [0.0] * len(sel), [0] * len(sel)
+    if len(a.d) > k:
+        sel = (net_s + (a.key_short if short else a.key_long)).argpartition(k - 1)[:k]
+    else:
+        sel = np.arange(len(a.d))
+    n = len(sel)
+    pool_s, best_l, xfer = [math.inf] * n, [0] * n, None
     if len(a.pool):
-        pool_compute = prompt * a.p_inv[a.pool]
+        pool_compute = prompt * a.pool_inv  # [pool]
         # Pages of all chunks but the last stream while later chunks compute.
         kv_bytes_s = prompt * cfg.kv_bytes_per_token / net.inter_pop_bytes_per_s
         last_chunk_s = min(prompt, cfg.prefill_chunk_tokens) / prompt * kv_bytes_s
-        rtt = a.d_pool_rtt[sel]
-        kv = rtt + (rtt > 0) * np.maximum(kv_bytes_s - pool_compute, last_chunk_s)
-        total = kv + (np.maximum(a.p_end[a.pool] - t, 0.0) + pool_compute)
+        xfer = np.maximum(kv_bytes_s - pool_compute, last_chunk_s)  # [pool], when far
+        ready = np.maximum(a.pool_end - t, 0.0)
+        ready += pool_compute
+        total = a.d_pool_far[sel] * xfer  # [n, pool]: RTT + transfer + queue + compute
+        total += a.d_pool_rtt[sel]
+        total += ready
         best = total.argmin(axis=1)
-        rows = np.arange(len(sel))
-        pool_s, kv_l, best_l = total[rows, best].tolist(), kv[rows, best].tolist(), best.tolist()
+        pool_s, best_l = total.min(axis=1).tolist(), best.tolist()
     # From here on: a handful of candidates, cheaper in plain Python than in numpy calls.
     sel_l, net_l = sel.tolist(), net_s[sel].tolist()
-    stats = [a.d_rows[i] for i in sel_l]
+    d_rows = a.d_rows
     need = prompt + features.max_tokens
     scored, terms_l = [], []
-    for j, (free, wait, l_end, linv, lim, c_end, cinv, pen, itl) in enumerate(stats):
-        lq, cq = max(l_end - t, 0.0), max(c_end - t, 0.0)
+    # Conditional expressions rather than max()/min() calls: this loop is the hot spot.
+    for j, di in enumerate(sel_l):
+        free, wait, l_end, linv, lim, c_end, cinv, pen, itl = d_rows[di]
+        lq = l_end - t if l_end > t else 0.0
+        local = lq + prompt * linv if short else lq + prompt * linv + lim
+        colo = (c_end - t if c_end > t else 0.0) + prompt * cinv
+        best_prefill = local if local <= colo else colo
+        if pool_s[j] < best_prefill:
+            best_prefill = pool_s[j]
         admit = 0.0 if free >= need else wait
-        local = lq + prompt * linv + (0.0 if short else lim)
-        best_prefill = min(local, cq + prompt * cinv, pool_s[j])
         if best_prefill < math.inf:
             scored.append((net_l[j] + admit + pen + best_prefill, j))
-        terms_l.append((admit, local, cq + prompt * cinv, best_prefill, lq, linv, itl))
-    scored.sort()
+        terms_l.append((admit, local, colo, best_prefill, lq, linv, itl))
     if not scored:
         return []
+    scored.sort()
     order = [j for _, j in scored]
-    ties = [j for score, j in scored if score <= scored[0][0] + cfg.near_tie_s]
+    # Sorted, so the near-ties are a prefix.
+    ties = order[: bisect.bisect_right(scored, (scored[0][0] + cfg.near_tie_s, math.inf))]
     if len(ties) >= 2:
         # Two distinct random picks without random.sample's overhead.
         i = rng.randrange(len(ties))
@@ -157,18 +172,21 @@ def select(
         admit, local, colo, best_prefill, queue, per_token, itl = terms_l[j]
         prefill, kv_s = None, 0.0
         if local != best_prefill:
-            pi = a.colo[di] if colo == best_prefill else int(a.pool[best_l[j]])
-            kv_s = 0.0 if pi == a.colo[di] else kv_l[j]
+            if colo == best_prefill:
+                pi = a.colo[di]
+            else:
+                pi = int(a.pool[best_l[j]])
+                rtt = a.d_pool_rtt.item(di, best_l[j])
+                kv_s = rtt + xfer.item(best_l[j]) if rtt > 0 and xfer is not None else 0.0
             prefill, per_token = a.p[pi], a.p_inv.item(pi)
             queue = max(a.p_end.item(pi) - t, 0.0)
+            if prefill.url == a.d[di].url:
+                prefill = None  # a `both` daemon chosen as its own prefill peer is local prefill
+        compute = prompt * per_token
+        ttft = net_l[j] + admit + queue + compute + kv_s
         terms = {"net_s": net_l[j], "admission_s": admit, "prefill_queue_s": queue,
-                 "prefill_compute_s": prompt * per_token, "kv_s": kv_s}  # fmt: skip
-        if prefill is not None and prefill.url == a.d[di].url:
-            prefill = None  # a `both` daemon chosen as its own prefill peer is local prefill
-        ttft = sum(terms.values())
-        out.append(
-            Placement(prefill, a.d[di], ttft, itl, itl <= cfg.itl_slo_s, terms | {"itl_s": itl})
-        )
+                 "prefill_compute_s": compute, "kv_s": kv_s, "itl_s": itl}  # fmt: skip
+        out.append(Placement(prefill, a.d[di], ttft, itl, itl <= cfg.itl_slo_s, terms))
     return out
 
 
