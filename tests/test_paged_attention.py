@@ -22,6 +22,7 @@ from edgeinfer.kernels.paged_attention_cpu import (
     paged_prefill_attention_cpu,
     plan_decode_cpu,
 )
+from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba, supports
 from edgeinfer.kernels.triton_utils import triton_available, triton_interpret
 
 DEVICE = "cuda" if torch.cuda.is_available() and not triton_interpret() else "cpu"
@@ -94,6 +95,44 @@ def test_decode_ref_matches_naive(impl, dtype, group, page):
     q = torch.randn(len(LENGTHS), 2 * group, 32).to(dtype)
     out = TORCH_DECODERS[impl](q, k_cache, v_cache, tables, lens, 0.125)
     check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("page", [16, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_numba_decode_matches_naive(group, page, threads):
+    k_cache, v_cache, tables, lens = make_cache(LENGTHS, 2, 32, page, torch.float32)
+    lens[2] = 0  # a row without context gives zeros
+    q = torch.randn(len(LENGTHS), 2 * group, 32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_decode_attention_numba(q, k_cache, v_cache, tables.int(), lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.125), torch.float32)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    # Into a caller's buffer, from a strided view of q (the engine's q is a slice of q|k|v).
+    qkv = torch.randn(len(LENGTHS), 2 * group + 4, 32)
+    dest = torch.full_like(q, float("nan"))
+    paged_decode_attention_numba(qkv[:, : 2 * group], k_cache, v_cache, tables, lens, 0.5, dest)
+    check(
+        dest, naive_decode(qkv[:, : 2 * group], k_cache, v_cache, tables, lens, 0.5), torch.float32
+    )
+
+
+def test_numba_decode_rejects_what_it_cannot_take():
+    k_cache, v_cache, tables, lens = make_cache([5, 20], 2, 16, 16, torch.float16)
+    q = torch.randn(2, 4, 16, dtype=torch.float16)
+    assert not supports(q, k_cache)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention_numba(q, k_cache, v_cache, tables, lens, 0.25)
+    k_cache, v_cache = k_cache.float(), v_cache.float()
+    with pytest.raises(ValueError, match="divide"):
+        paged_decode_attention_numba(torch.randn(2, 3, 16), k_cache, v_cache, tables, lens, 0.25)
+    with pytest.raises(ValueError, match="block table"):
+        paged_decode_attention_numba(torch.randn(2, 4, 16), k_cache, v_cache, tables[:, :1],
+                                     torch.tensor([5, 20]), 0.25)  # fmt: skip
 
 
 @pytest.mark.parametrize("impl", list(TORCH_DECODERS))
