@@ -8,19 +8,18 @@ once where it lies, for all ``H / Hkv`` query heads that share it (grouped-query
 without an expanded copy). On SmolLM2-135M's shapes (3 KV heads of 64, batch 8, ~300 tokens of
 context) that is about half the torch path's time per layer on one core.
 
-Work items (sequence x KV head) are spread over the threads with ``prange``. numba's ``omp``
-layer binds to the OpenMP runtime torch has already loaded (same ``libgomp.so.1``), so both
-share one pool of threads; the count follows ``torch.get_num_threads()``.
+One thread: numba's parallel layers bring a second thread pool (its ``omp`` layer loads the
+system's libgomp beside the copy torch bundles), whose spinning workers fight torch's for the
+cores; decode attention is a small part of a step next to the weights' matmuls.
 
 float32 only: half caches keep the torch path, which upcasts while it gathers.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 from torch import Tensor
 
 
@@ -75,7 +74,7 @@ def _one_head(  # pragma: no cover - compiled
         out[first + f, :] = acc[f, :]
 
 
-@njit(nogil=True, fastmath=True, parallel=True, cache=True, boundscheck=False)
+@njit(nogil=True, fastmath=True, cache=True, boundscheck=False)
 def _decode(  # pragma: no cover - compiled
     q: np.ndarray,  # [B, H, D]
     k_cache: np.ndarray,  # [num_blocks, block_size, Hkv, D]
@@ -88,7 +87,7 @@ def _decode(  # pragma: no cover - compiled
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     fold = heads // kv_heads
-    for item in prange(batch * kv_heads):
+    for item in range(batch * kv_heads):
         b = item // kv_heads
         kv_head = item % kv_heads
         length = lens[b]
@@ -132,9 +131,6 @@ def paged_decode_attention_numba(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
     # The caches are views of the engine's preallocated tensors: numpy shares their memory.
     _decode(
         q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(), lens,
