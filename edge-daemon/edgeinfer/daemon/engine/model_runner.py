@@ -8,6 +8,7 @@ step. On CUDA, pure-decode steps replay captured CUDA graphs (see :mod:`cuda_gra
 from __future__ import annotations
 
 import logging
+from array import array
 from pathlib import Path
 
 import torch
@@ -16,13 +17,13 @@ from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, Prefil
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.decode_plan import decode_in_place, int_tensor, plan_decode
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.model import CausalLM
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding
 from edgeinfer.daemon.engine.scheduler import ScheduledBatch
 from edgeinfer.daemon.engine.sequence import Sequence
-from edgeinfer.kernels.paged_attention_cpu import plan_decode_cpu
 
 log = logging.getLogger(__name__)
 
@@ -103,19 +104,16 @@ class ModelRunner:
             ((s, n) for s, n in batch.entries if n == 1), key=lambda e: e[0].num_computed_tokens
         )
         prefills = [(s, n) for s, n in batch.entries if n != 1]
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
+        # array, not list: int_tensor wraps them without torch.tensor's per-element checks.
+        ids, pos, slots, logit_rows = array("q"), array("q"), array("q"), array("q")
         samplers: list[Sequence] = []
 
         def add(seq: Sequence, n: int) -> None:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             table = seq.block_table
-            for p in range(start, start + n):
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
                 logit_rows.append(len(ids) - 1)
                 samplers.append(seq)
@@ -127,34 +125,40 @@ class ModelRunner:
             start = len(ids)
             add(seq, n)
             num_blocks = (seq.num_computed_tokens + n + bs - 1) // bs
+            table = int_tensor(array("i", seq.block_table[:num_blocks]), torch.int32)
             segments.append(
                 PrefillSegment(
                     start=start,
                     length=n,
                     start_pos=seq.num_computed_tokens,
-                    block_table=torch.tensor(
-                        seq.block_table[:num_blocks], dtype=torch.int32, device=self.device
-                    ),
+                    block_table=table.to(self.device),
                 )
             )
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=int_tensor(slots, torch.long).to(dev),
             num_decode_tokens=len(decodes),
             prefills=segments,
         )
         if decodes:
             width = max(len(s.block_table) for s, _ in decodes)
-            tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes]
+            tables = array("i")
+            for s, _ in decodes:
+                tables.extend(s.block_table)
+                tables.extend([0] * (width - len(s.block_table)))
             lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
-            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-            if dev.type == "cpu":
-                meta.decode_plan = plan_decode_cpu(tables, lens, bs)
+            meta.decode_block_tables = int_tensor(tables, torch.int32).view(-1, width).to(dev)
+            meta.decode_context_lens = int_tensor(array("i", lens), torch.int32).to(dev)
+            key_bytes = 2 * self.layout.page_bytes // bs
+            if dev.type == "cpu" and decode_in_place(self.layout.dtype, key_bytes):
+                meta.decode_in_place = True
+            elif dev.type == "cpu":
+                seq_tables = [s.block_table for s, _ in decodes]
+                meta.decode_plan = plan_decode(seq_tables, lens, bs, key_bytes)
         inputs = {
-            "input_ids": torch.tensor(ids, dtype=torch.long, device=dev),
-            "positions": torch.tensor(pos, dtype=torch.long, device=dev),
-            "logits_indices": torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            "input_ids": int_tensor(ids, torch.long).to(dev),
+            "positions": int_tensor(pos, torch.long).to(dev),
+            "logits_indices": int_tensor(logit_rows, torch.long).to(dev),
         }
         return inputs, meta, samplers, max(pos, default=0)
 

@@ -44,8 +44,9 @@ class _HostBatcher(ModelRunner):
     """Only ``ModelRunner.prepare`` (no model): flattens batches into host tensors, which
     rank 0 broadcasts and every rank moves to its own device."""
 
-    def __init__(self, block_size: int) -> None:  # prepare() reads these two fields only
-        self.block_size = block_size
+    def __init__(self, layout: KVLayout) -> None:  # prepare() reads these three fields only
+        self.block_size = layout.block_size
+        self.layout = layout  # plans CPU decode attention for a rank's KV heads
         self.device = torch.device("cpu")
 
 
@@ -112,7 +113,7 @@ class ParallelExecutor:
             display.close()
         self._store = store  # the workers' rendezvous: alive as long as they are
         self._interrupted: str | None = None
-        self._host = _HostBatcher(cfg.block_size)
+        self._host = _HostBatcher(rank_kv_layout(par, 0, model_cfg, cfg.block_size, self.dtype))
         self.kv_cache = ShardedKVCache(self.shard, self.layout, num_blocks, self._guard)
         self._pool.watch(comm.abort)
 

@@ -55,6 +55,7 @@ class MicroBatch:
             decode_context_lens=move(m.decode_context_lens),
             prefills=[replace(p, block_table=move(p.block_table)) for p in m.prefills],
             decode_plan=m.decode_plan if device.type == "cpu" else None,
+            decode_in_place=m.decode_in_place and device.type == "cpu",
         )
         ids, pos, rows = move(self.input_ids), move(self.positions), move(self.logits_indices)
         return MicroBatch(ids, pos, meta, rows, self.max_position)
