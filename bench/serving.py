@@ -12,8 +12,7 @@ stretched in time and shrunk in length to fit), ``c8`` (8 concurrent streams, cl
 
 Setups, all on the same two cores, started and killed by this script:
 
-* ``both``: one colocated daemon on both cores (its default: 1 torch thread, the other core
-  left to its event loop);
+* ``both``: one colocated daemon on both cores (its default: a torch thread per core);
 * ``pd``: a prefill daemon on the first core and a decode daemon on the second (1 thread each),
   the decode daemon prefilling remotely every prompt of ``--local-prefill-threshold`` tokens
   or more (the daemon's default, 512, unless the flag is given);

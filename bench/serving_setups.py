@@ -43,7 +43,7 @@ def launch(
     procs: list[ChildProcess] = []
 
     def daemon(name: str, core: str, *flags: str) -> ChildProcess:
-        # Torch threads: the daemon's own default (the cores it is pinned to, but one).
+        # Torch threads: the daemon's own default (one per core it is pinned to).
         port, kv_port = free_port(), free_port()
         env = {"EDGEINFER_HEARTBEAT_PORT": str(free_port())}
         cmd = daemon_cmd(model_dir, core, port, kv_port, *flags)

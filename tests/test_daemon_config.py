@@ -9,10 +9,10 @@ import pytest
 from edgeinfer.daemon.config import DaemonConfig
 
 
-def test_cpu_engine_threads_leave_one_core_to_the_event_loop() -> None:
+def test_cpu_engine_threads_use_every_core_by_default() -> None:
     cores = len(os.sched_getaffinity(0))
-    assert DaemonConfig(device="cpu").engine_threads() == max(1, cores - 1)
-    assert DaemonConfig(device="cpu").to_engine_config().num_threads == max(1, cores - 1)
+    assert DaemonConfig(device="cpu").engine_threads() == cores
+    assert DaemonConfig(device="cpu").to_engine_config().num_threads == cores
 
 
 @pytest.mark.parametrize(

@@ -138,12 +138,15 @@ class DaemonConfig:
         return self.role != "prefill"
 
     def engine_threads(self) -> int | None:
-        """``num_threads``, or by default on the CPU every core this process may use but one.
+        """``num_threads``, or by default on the CPU every core this process may use.
 
-        The engine thread's torch ops and the event loop (HTTP, SSE, detokenization, ZeroMQ)
-        share the host; with all cores in torch's pool its spinning workers and the loop take
-        turns on the same cores. Measured on 2 cores, 8 streams (`bench/serving.py`): 1 torch
-        thread serves 92 output tok/s, 2 threads 69. Parallel ranks keep torch's own default.
+        The event loop (HTTP, SSE, detokenization, ZeroMQ) needs little CPU next to the engine:
+        sampled under 8 streams it is idle ~99% of the time. Measured on 2 cores, 8 streams
+        (`bench/serving.py --workload c8`, four runs each, after the engine's in-place decode
+        attention): 2 torch threads 89-124 output tok/s (median ~102) with TTFT p50 0.38-0.56 s,
+        1 thread 97-108 tok/s with TTFT p50 0.62-0.69 s: prefill is compute-bound and wants
+        every core. (Before that engine work, 1 thread won: 92 against 69 tok/s.) Parallel
+        ranks keep torch's own default.
         """
         device = self.device
         if device == "auto":
@@ -152,7 +155,7 @@ class DaemonConfig:
             return self.num_threads
         if self.tensor_parallel * self.pipeline_parallel > 1:
             return None
-        return max(1, len(os.sched_getaffinity(0)) - 1)
+        return len(os.sched_getaffinity(0))
 
     def to_engine_config(self) -> EngineConfig:
         try:
