@@ -82,10 +82,12 @@ async def run(args: argparse.Namespace) -> None:
         wl: (args.slo_ttft_s or ttft, (args.slo_itl_ms or itl * 1e3) / 1e3)
         for wl, (ttft, itl) in DEFAULT_SLO.items()
     }
-    workloads = build(
-        args.workload, quick=args.quick, seed=args.seed, rates=rates,
-        concurrency=args.concurrency, trace_dir=args.trace_dir, trace=args.trace, slo=slo,
-    )  # fmt: skip
+    # Repeat k draws its load from seed + k: every setup gets the same requests within a repeat,
+    # but no repeat sends prompts an earlier one sent (their prefix caches would answer them).
+    options = {"quick": args.quick, "rates": rates, "concurrency": args.concurrency,
+               "trace_dir": args.trace_dir, "trace": args.trace, "slo": slo}  # fmt: skip
+    per_repeat = [build(args.workload, seed=args.seed + k, **options) for k in range(args.repeat)]
+    workloads = per_repeat[0]
     out_path = args.out or RESULTS_DIR / ("serving_quick.json" if args.quick else "serving.json")
     stored = load_results(out_path)
     started = time.monotonic()
@@ -120,8 +122,8 @@ async def run(args: argparse.Namespace) -> None:
         targets = {setup: await target_of(url, model_dir) for setup, url in apis.items()}
         for target in targets.values():
             await warm_up(target, args.quick)
-        for rep in range(args.repeat):
-            for wl in workloads:
+        for rep, rep_workloads in enumerate(per_repeat):
+            for wl in rep_workloads:
                 for setup, target in targets.items():
                     console.print(
                         f"[bold]{setup}[/] {wl.name} ({rep + 1}/{args.repeat}): "
@@ -179,7 +181,12 @@ def main() -> None:
     p.add_argument("--slo-ttft-s", type=float, help="override every workload's TTFT SLO")
     p.add_argument("--slo-itl-ms", type=float, help="override every workload's p99 ITL SLO")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=1, help="runs of each workload (medians kept)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each workload, repeat k seeded with --seed + k (medians kept)",
+    )
     p.add_argument("--out", type=Path, help="results JSON (default bench/results/serving.json)")
     args = p.parse_args()
     bad = set(args.setup) - {*SETUPS, "all"}
