@@ -92,6 +92,10 @@ def test_great_circle_and_rtt_floor() -> None:
     assert net.client_rtt_s(london, nyc, HERE, None) == pytest.approx(0.0577, abs=2e-4)
     dots = np.array([1.0, 0.5, -1.0])
     assert np.allclose(net.rtt_floor_from_dot_s(dots), net.rtt_floor_s(np.arccos(dots) * 6371.0088))
+    # The per-request form: same point (dot 1), antipode (dot -1) and between, never NaN.
+    xyz = np.array([[1.0, 0.0, 0.0], [0.5, 0.75**0.5, 0.0], [-1.0, 0.0, 0.0]])
+    to_point = net.rtt_floor_to_point_s(xyz, (1.0, 0.0, 0.0))
+    assert np.allclose(to_point, net.rtt_floor_from_dot_s(dots), rtol=0, atol=1e-6)
 
 
 def test_measured_rtt_applies_only_in_the_routers_catchment() -> None:

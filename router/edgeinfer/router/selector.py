@@ -104,10 +104,7 @@ def select(
     t = now if now is not None else 0.0  # queues are end times on this clock (load_arrays)
     lat, lon = math.radians(client.lat), math.radians(client.lon)
     xyz = (math.cos(lat) * math.cos(lon), math.cos(lat) * math.sin(lon), math.sin(lat))
-    # Shrunk a hair so that every dot product is inside [-1, 1] without two clipping passes:
-    # arccos(1 - 1e-12) is 9 metres.
-    net_s = np.arccos(a.d_xyz @ np.multiply(xyz, 1.0 - 1e-12)) * net.s_per_radian
-    net_s += net.fixed_rtt_ms * 1e-3
+    net_s = net.rtt_floor_to_point_s(a.d_xyz, xyz)
     h = prep.geo.xyz_of.get(here)
     if h is None and here_point is not None:
         hl, hn = math.radians(here_point.lat), math.radians(here_point.lon)
