@@ -145,10 +145,10 @@ def test_cpu_decode_plan_groups_and_reuse():
     k_cache, v_cache, tables, lens = make_cache(lengths, 2, 16, 16, torch.float32)
     q = torch.randn(len(lengths), 6, 16)
     expected = naive_decode(q, k_cache, v_cache, tables, lens, 0.25)
-    plan = plan_decode_cpu(tables, lens, 16)
+    plan = plan_decode_cpu(tables, lens, 16, key_bytes=256)
     assert len(plan.groups) > 1
     assert any(not isinstance(g.rows, slice) for g in plan.groups)
-    from_lists = plan_decode_cpu(tables.tolist(), lengths, 16)
+    from_lists = plan_decode_cpu(tables.tolist(), lengths, 16, key_bytes=256)
     for p in (plan, from_lists, plan):
         out = torch.full_like(q, float("nan"))
         paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25, p, out)
@@ -161,7 +161,7 @@ def test_cpu_decode_plan_sorted_rows_are_slices():
     lengths = [5, 16, 17, 90, 100]
     k_cache, v_cache, tables, lens = make_cache(lengths, 1, 16, 8, torch.float32)
     ragged = [row[: -(-n // 8)] for row, n in zip(tables.tolist(), lengths)]
-    plan = plan_decode_cpu(ragged, lengths, 8)
+    plan = plan_decode_cpu(ragged, lengths, 8, key_bytes=128)
     assert all(isinstance(g.rows, slice) for g in plan.groups)
     q = torch.randn(len(lengths), 3, 16)
     out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.5, plan)

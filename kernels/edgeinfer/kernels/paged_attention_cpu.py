@@ -10,9 +10,11 @@ gathers its pages once and runs one ``scaled_dot_product_attention``, with the `
 heads sharing a KV head as rows of one query matrix, so grouped-query attention needs no
 expanded copy of K/V.
 
-The grouping depends only on the block tables and context lengths, which every layer of a step
-shares: :func:`plan_decode_cpu` computes it once per step (from host lists, no tensor reads) and
-each layer passes the :class:`DecodePlan` in. When the caller already orders its sequences by
+How to group is a cost trade: each group costs one SDPA call plus its padded keys, and a group
+whose gathered K/V leaves the L2 cache pays 2-3x per key; :func:`plan_decode_cpu` takes the
+cheapest split under a measured model of both. It depends only on the block tables, context
+lengths and key width, which every layer of a step shares: the engine plans once per step (from
+host lists, no tensor reads) and each layer passes the :class:`DecodePlan` in. When the caller already orders its sequences by
 context length, groups are contiguous row ranges and no query or output rows are copied.
 
 Prefill: torch's CPU flash kernel does not take grouped-query inputs (``enable_gqa`` or a
@@ -23,6 +25,7 @@ chunk's K/V heads are repeated up to the query heads first, a copy of ``T x H x 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,11 +36,17 @@ from torch import Tensor
 from edgeinfer.kernels.triton_utils import cdiv
 
 _HALF = (torch.float16, torch.bfloat16)
-# A group holds at most GROUP_TOKENS padded keys (its gathered K/V stays in cache: 3 MiB for
-# SmolLM2's 3 x 64 fp32 KV heads) and only rows at least SPREAD times as long as its longest:
-# fewer SDPA calls against less padding, measured on 1-64 sequences of 16-2048 tokens.
-GROUP_TOKENS = 2048
-SPREAD = 0.5
+
+# The grouping's cost model, in nanoseconds, measured on 2 AMD EPYC cores with torch 2.13 for
+# groups of 1-64 rows of 16-1024 keys: one SDPA call (dispatch, mask, allocation), and one padded
+# key of ``key_bytes`` (K plus V) bytes, gathered and multiplied.
+CALL_NS = 25_000.0
+KEY_NS = 20.0
+KEY_BYTE_NS = 0.045
+# The most K+V bytes one group gathers: half of a 1 MiB L2 (2048 keys of 2 x 16 fp32 heads).
+# Measured, a key read from L3 or DRAM costs 2-3x one read from L2, which outweighs the calls
+# that bigger groups save.
+GROUP_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)
@@ -55,42 +64,94 @@ class DecodePlan:
     covers_all: bool  # every row is in a group (no row with an empty context)
 
 
+def int_tensor(values: array, dtype: torch.dtype) -> Tensor:
+    """A CPU tensor over ``values`` (typecode matching ``dtype``), without copying: several
+    times faster than ``torch.tensor`` of a list of Python ints, which checks every element."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(values, dtype=dtype)
+
+
 def plan_decode_cpu(
-    block_tables: Sequence[Sequence[int]] | Tensor,  # [B, max_blocks]
+    block_tables: Sequence[Sequence[int]] | Tensor,  # [B][>= cdiv(len, page)] block ids
     context_lens: Sequence[int] | Tensor,  # [B]
     page: int,
+    key_bytes: int,  # K plus V bytes of one cached token in one layer
 ) -> DecodePlan:
-    """Group the batch's sequences for :func:`paged_decode_attention_cpu`."""
+    """Group the batch's sequences for :func:`paged_decode_attention_cpu` at the least cost
+    under the model above: a dynamic programme over the length-sorted rows (groups are
+    contiguous runs of them), each group's gathered K/V capped at ``GROUP_BYTES``."""
     lens = context_lens.tolist() if isinstance(context_lens, Tensor) else list(context_lens)
     tables = block_tables.tolist() if isinstance(block_tables, Tensor) else block_tables
     for b, length in enumerate(lens):
         if length > len(tables[b]) * page:
             raise ValueError(f"context length {length} exceeds block_tables capacity")
-    order = sorted((b for b in range(len(lens)) if lens[b] > 0), key=lambda b: lens[b])
-    groups: list[DecodeGroup] = []
+    order = sorted((b for b in range(len(lens)) if lens[b] > 0), key=lens.__getitem__)
+    sorted_lens = [lens[b] for b in order]
+    key_ns = KEY_NS + KEY_BYTE_NS * key_bytes
+    max_keys = max(GROUP_BYTES // key_bytes, 1)
+    # A row padded by more keys than a call costs is cheaper in a group of its own, so an
+    # optimal group never spans more than this many keys of length: it bounds the search.
+    max_spread = CALL_NS / key_ns
+    # best[j]: cheapest cost of the first j sorted rows; start[j]: where its last group starts.
+    best = [0.0] * (len(order) + 1)
+    start = [0] * (len(order) + 1)
+    lo = 0
+    for j in range(1, len(order) + 1):
+        longest = sorted_lens[j - 1]
+        while sorted_lens[lo] < longest - max_spread:
+            lo += 1
+        per_row = key_ns * longest
+        first = max(j - max(max_keys // longest, 1), lo)  # rows a group of this length holds
+        cost, arg = float("inf"), j - 1
+        for i in range(j - 1, first - 1, -1):
+            c = best[i] + per_row * (j - i)
+            if c < cost:
+                cost, arg = c, i
+        best[j], start[j] = cost + CALL_NS, arg
+    bounds: list[tuple[int, int]] = []  # [first, stop) of each group in sorted order
     stop = len(order)
     while stop:
-        # Longest first: the group takes shorter rows while they are long enough.
-        longest = lens[order[stop - 1]]
-        start = stop - 1
-        fits = max(GROUP_TOKENS // longest, 1)
-        while start > 0 and stop - start < fits and lens[order[start - 1]] >= SPREAD * longest:
-            start -= 1
-        rows = order[start:stop]
-        n = cdiv(longest, page)
-        # Shorter rows are padded with block 0: its keys are masked out.
-        pages = torch.tensor(
-            [p for b in rows for p in [*tables[b][:n], *[0] * (n - len(tables[b][:n]))]],
-            dtype=torch.long,
-        )
+        bounds.append((start[stop], stop))
+        stop = start[stop]
+    return _build(bounds, order, tables, lens, page)
+
+
+def _build(
+    bounds: list[tuple[int, int]],
+    order: list[int],
+    block_tables: Sequence[Sequence[int]],
+    lens: list[int],
+    page: int,
+) -> DecodePlan:
+    """Groups over sorted rows ``order[first:stop]``: each row's first ``cdiv(longest, page)``
+    pages, shorter tables padded with block 0, whose keys the mask hides."""
+    pages = array("q")
+    spans: list[tuple[int, int]] = []  # each group's range in `pages`
+    for first, stop in bounds:
+        n = cdiv(lens[order[stop - 1]], page)
+        begin = len(pages)
+        for b in order[first:stop]:
+            table = block_tables[b][:n]
+            pages.extend(table)
+            if len(table) < n:
+                pages.extend([0] * (n - len(table)))
+        spans.append((begin, len(pages)))
+    # One conversion for the step: each group's pages and lengths are views of these.
+    all_pages = int_tensor(pages, torch.long)
+    sorted_lens = int_tensor(array("q", [lens[b] for b in order]), torch.long)
+    positions = torch.arange(max((lens[b] for b in order), default=0))
+    groups: list[DecodeGroup] = []
+    for (first, stop), (begin, end) in zip(bounds, spans, strict=True):
+        rows = order[first:stop]
+        longest = lens[rows[-1]]
         mask = None
         if lens[rows[0]] != longest:
-            valid = torch.tensor([lens[b] for b in rows])
-            mask = (torch.arange(longest)[None, :] < valid[:, None])[:, None, None, :]
+            valid = sorted_lens[first:stop, None]
+            mask = (positions[None, :longest] < valid)[:, None, None, :]  # [g, 1, 1, longest]
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows)
-        groups.append(DecodeGroup(index, longest, pages, mask))
-        stop = start
+        groups.append(DecodeGroup(index, longest, all_pages[begin:end], mask))
     return DecodePlan(len(lens), groups, covers_all=len(order) == len(lens))
 
 
@@ -114,7 +175,8 @@ def paged_decode_attention_cpu(
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} kv heads")
     fold = heads // kv_heads
     if plan is None:
-        plan = plan_decode_cpu(block_tables, context_lens, page)
+        key_bytes = 2 * kv_heads * head_dim * k_cache.element_size()
+        plan = plan_decode_cpu(block_tables, context_lens, page, key_bytes)
     if plan.batch != batch:
         raise ValueError(f"the decode plan is for {plan.batch} sequences, q holds {batch}")
     # Half caches: CPU attention is faster and more accurate in fp32 (upcast after the gather).

@@ -17,13 +17,14 @@ from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, Prefil
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
-from edgeinfer.daemon.engine.decode_plan import decode_in_place, int_tensor, plan_decode
+from edgeinfer.daemon.engine.decode_plan import decode_in_place
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.model import CausalLM
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding
 from edgeinfer.daemon.engine.scheduler import ScheduledBatch
 from edgeinfer.daemon.engine.sequence import Sequence
+from edgeinfer.kernels.paged_attention_cpu import int_tensor, plan_decode_cpu
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class ModelRunner:
                 meta.decode_in_place = True
             elif dev.type == "cpu":
                 seq_tables = [s.block_table for s, _ in decodes]
-                meta.decode_plan = plan_decode(seq_tables, lens, bs, key_bytes)
+                meta.decode_plan = plan_decode_cpu(seq_tables, lens, bs, key_bytes)
         inputs = {
             "input_ids": int_tensor(ids, torch.long).to(dev),
             "positions": int_tensor(pos, torch.long).to(dev),
