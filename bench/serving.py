@@ -174,6 +174,12 @@ def main() -> None:
         help="pd: the decode daemon's --local-prefill-threshold (default: its own)",
     )
     p.add_argument("--concurrency", type=int, default=8, help="streams of the c8 workload")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="every server's dtype (default the checkpoint's own, bf16; float32 upcasts it)",
+    )
     for wl, rate in DEFAULT_RATES.items():
         p.add_argument(f"--{wl}-rate", type=float, default=rate, help=f"{wl}: mean req/s")
     p.add_argument("--trace", choices=("conv", "code"), default="conv")

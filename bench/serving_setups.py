@@ -46,7 +46,7 @@ def launch(
         # Torch threads: the daemon's own default (one per core it is pinned to).
         port, kv_port = free_port(), free_port()
         env = {"EDGEINFER_HEARTBEAT_PORT": str(free_port())}
-        cmd = daemon_cmd(model_dir, core, port, kv_port, *flags)
+        cmd = daemon_cmd(model_dir, core, port, kv_port, "--dtype", args.dtype, *flags)
         url = f"http://127.0.0.1:{port}"
         procs.append(spawn(name, cmd, workdir=workdir, url=url, env=env, ports={"kv": kv_port}))
         return procs[-1]
@@ -66,7 +66,7 @@ def launch(
         port = free_port()
         cmd = [
             "taskset", "-c", both, args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--dtype", "float32",
+            "--model", str(model_dir), "--dtype", args.dtype,
             "--host", "127.0.0.1", "--port", str(port),
         ]  # fmt: skip
         env = {

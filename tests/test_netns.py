@@ -224,7 +224,10 @@ def test_draining_the_best_pop_moves_traffic_without_a_failure(stack: Stack) -> 
         f"{_count(after)}"
     )
     assert not failed
-    assert before and set(before) == {"pop-a"}
+    # Most go to the best PoP; the router prices load too, so on a busy host (its heartbeats
+    # then report slower steps) some streams may already spill to the next best before the drain.
+    assert before and set(before) <= {"pop-a", "pop-b"}
+    assert before.count("pop-a") > len(before) / 2, _count(before)
     # Streams in flight across the drain finished without a failure wherever they were placed:
     # one sent just before the drain call may be placed after the router stopped using pop-a.
     assert set(across) <= {"pop-a", "pop-b"}

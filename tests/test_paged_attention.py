@@ -97,29 +97,40 @@ def test_decode_ref_matches_naive(impl, dtype, group, page):
     check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("page", [16, 8])
-def test_numba_decode_matches_naive(group, page):
-    k_cache, v_cache, tables, lens = make_cache(LENGTHS, 2, 32, page, torch.float32)
+def test_numba_decode_matches_naive(group, page, dtype):
+    k_cache, v_cache, tables, lens = make_cache(LENGTHS, 2, 32, page, dtype)
     lens[2] = 0  # a row without context gives zeros
-    q = torch.randn(len(LENGTHS), 2 * group, 32)
+    q = torch.randn(len(LENGTHS), 2 * group, 32).to(dtype)
     out = paged_decode_attention_numba(q, k_cache, v_cache, tables, lens, 0.125)
-    check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.125), torch.float32)
+    check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     # Into a caller's buffer, from a strided view of q (the engine's q is a slice of q|k|v).
-    qkv = torch.randn(len(LENGTHS), 2 * group + 4, 32)
+    qkv = torch.randn(len(LENGTHS), 2 * group + 4, 32).to(dtype)
     dest = torch.full_like(q, float("nan"))
     paged_decode_attention_numba(qkv[:, : 2 * group], k_cache, v_cache, tables, lens, 0.5, dest)
-    check(
-        dest, naive_decode(qkv[:, : 2 * group], k_cache, v_cache, tables, lens, 0.5), torch.float32
+    check(dest, naive_decode(qkv[:, : 2 * group], k_cache, v_cache, tables, lens, 0.5), dtype)
+
+
+def test_numba_decode_reads_bf16_pages_exactly():
+    # bf16 values widen to float32 without rounding: the same pages in float32 give the same
+    # float32 result, which the wrapper then rounds once to bf16.
+    k_cache, v_cache, tables, lens = make_cache(LENGTHS, 2, 32, 16, torch.bfloat16)
+    q = torch.randn(len(LENGTHS), 4, 32).to(torch.bfloat16)
+    out = paged_decode_attention_numba(q, k_cache, v_cache, tables, lens, 0.125)
+    wide = paged_decode_attention_numba(
+        q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125
     )
+    assert torch.equal(out, wide.to(torch.bfloat16))
 
 
 def test_numba_decode_rejects_what_it_cannot_take():
     k_cache, v_cache, tables, lens = make_cache([5, 20], 2, 16, 16, torch.float16)
     q = torch.randn(2, 4, 16, dtype=torch.float16)
     assert not supports(q, k_cache)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
         paged_decode_attention_numba(q, k_cache, v_cache, tables, lens, 0.25)
     k_cache, v_cache = k_cache.float(), v_cache.float()
     with pytest.raises(ValueError, match="divide"):

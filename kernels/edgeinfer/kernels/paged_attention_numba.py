@@ -12,21 +12,41 @@ One thread: numba's parallel layers bring a second thread pool (its ``omp`` laye
 system's libgomp beside the copy torch bundles), whose spinning workers fight torch's for the
 cores; decode attention is a small part of a step next to the weights' matmuls.
 
-float32 only: half caches keep the torch path, which upcasts while it gathers.
+float32 and bfloat16 caches: a bf16 value widens to float32 exactly (its 16 bits become the
+top half of a float32), so the kernel reads bf16 pages as ``uint16`` and computes in float32;
+queries and the result are float32 (the wrapper casts them). float16 keeps the torch path.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 from torch import Tensor
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _widen(x):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced when compiled
+    """A cache value as float32 (compiled per cache dtype by the overload below)."""
+    raise NotImplementedError
+
+
+@overload(_widen, inline="always")
+def _widen_impl(x):  # type: ignore[no-untyped-def]
+    if isinstance(x, types.Float):
+        return lambda x: np.float32(x)
+    if x == types.uint16:
+        # bfloat16 bits: the high half of the float32 with the same value.
+        return lambda x: np.uint32(np.uint32(x) << 16).view(np.float32)
+    return None
 
 
 @njit(nogil=True, fastmath=True, cache=True, boundscheck=False)
 def _one_head(  # pragma: no cover - compiled
     q: np.ndarray,  # [H, D] one sequence's queries
-    k_cache: np.ndarray,  # [num_blocks, block_size, Hkv, D]
+    k_cache: np.ndarray,  # [num_blocks, block_size, Hkv, D], float32 or bf16 bits (uint16)
     v_cache: np.ndarray,
     table: np.ndarray,  # [max_blocks]
     length: int,
@@ -48,7 +68,7 @@ def _one_head(  # pragma: no cover - compiled
             qrow = q[first + f]
             s = np.float32(0.0)
             for d in range(dim):
-                s += qrow[d] * krow[d]
+                s += qrow[d] * _widen(krow[d])
             scores[f, t] = s * scale
     for f in range(fold):
         top = scores[f, 0]
@@ -69,7 +89,7 @@ def _one_head(  # pragma: no cover - compiled
         for f in range(fold):
             p = scores[f, t]
             for d in range(dim):
-                acc[f, d] += p * vrow[d]
+                acc[f, d] += p * _widen(vrow[d])
     for f in range(fold):
         out[first + f, :] = acc[f, :]
 
@@ -100,8 +120,16 @@ def _decode(  # pragma: no cover - compiled
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether :func:`paged_decode_attention_numba` takes these tensors (fp32 on the CPU)."""
-    return q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
+    """Whether :func:`paged_decode_attention_numba` takes these tensors (float32 or bfloat16
+    on the CPU, queries in the cache's dtype)."""
+    return q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in _CACHE_DTYPES
+
+
+def _cache_array(cache: Tensor) -> np.ndarray:
+    """The cache's memory as numpy: float32 as is, bfloat16 as its bits (``uint16``)."""
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.int16).numpy().view(np.uint16)
+    return cache.numpy()
 
 
 def paged_decode_attention_numba(
@@ -113,10 +141,12 @@ def paged_decode_attention_numba(
     scale: float,
     out: Tensor | None = None,  # [B, H, D], receives the result when given
 ) -> Tensor:
-    """Same contract as ``paged_decode_attention_ref`` for float32 CPU tensors."""
+    """Same contract as ``paged_decode_attention_ref`` for float32 or bfloat16 CPU tensors."""
     batch, heads, head_dim = q.shape
-    if not supports(q, k_cache) or v_cache.dtype != torch.float32:
-        raise ValueError(f"the numba kernel takes float32 CPU tensors, got {q.dtype} {q.device}")
+    if not supports(q, k_cache) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"the numba kernel takes float32 or bfloat16 CPU tensors, got {q.dtype} {q.device}"
+        )
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[3] != head_dim:
         raise ValueError(f"caches {tuple(k_cache.shape)} do not fit q {tuple(q.shape)}")
     if heads % k_cache.shape[2]:
@@ -131,9 +161,15 @@ def paged_decode_attention_numba(
         out = torch.empty_like(q)
     if batch == 0:
         return out
+    wide = q.dtype != torch.float32
+    # Queries and the result are small ([B, H, D]): the casts cost less than computing in bf16.
+    q32 = q.float() if wide else q.contiguous()
+    out32 = torch.empty_like(q32) if wide else out
     # The caches are views of the engine's preallocated tensors: numpy shares their memory.
     _decode(
-        q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(), lens,
-        scale, out.numpy(),
+        q32.numpy(), _cache_array(k_cache), _cache_array(v_cache), block_tables.numpy(), lens,
+        scale, out32.numpy(),
     )  # fmt: skip
+    if wide:
+        out.copy_(out32)
     return out

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import torch
 
-# From this many K+V bytes per cached token (float32), decode attention skips the plan for
-# numba's kernel: on 2 EPYC cores 0.5-0.8x the torch path's time on SmolLM2's 3 x 64 heads
-# (1.5 KiB) at batch 1-32, while on narrow heads (the tiny preset's 2 x 16, 256 B) torch's two
-# threads win by ~15%.
-IN_PLACE_MIN_KEY_BYTES = 1024
+# From this many K+V values per cached token, decode attention skips the plan for numba's
+# kernel: on 2 EPYC cores 0.5-0.8x the torch path's time on SmolLM2's 3 x 64 heads (384 values)
+# at batch 1-32 in float32, and less still in bfloat16, which the torch path upcasts as it
+# gathers; on narrow heads (the tiny preset's 2 x 16, 64 values) torch's two threads win.
+IN_PLACE_MIN_KV_VALUES = 256
+_IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def decode_in_place(dtype: torch.dtype, key_bytes: int) -> bool:
-    """Whether CPU decode attention of this cache runs in place (see above) or on a plan."""
-    return dtype == torch.float32 and key_bytes >= IN_PLACE_MIN_KEY_BYTES
+def decode_in_place(dtype: torch.dtype, kv_values: int) -> bool:
+    """Whether CPU decode attention of this cache runs in place (see above) or on a plan;
+    ``kv_values`` counts a cached token's keys and values over every KV head."""
+    return dtype in _IN_PLACE_DTYPES and kv_values >= IN_PLACE_MIN_KV_VALUES

@@ -1,15 +1,17 @@
-"""Dense projections, routed to oneDNN for float32 on the CPU.
+"""Dense projections, routed to oneDNN for float32 and bfloat16 on the CPU.
 
 ``F.linear`` sends float32 CPU matmuls to MKL, which on AMD CPUs runs its AVX2 code (MKL only
 takes its AVX-512 paths on Intel). oneDNN, which every x86 torch wheel ships, runs AVX-512 on
 both and measured 1.3-2.5x faster than MKL on the engine's shapes (1 to 2048 tokens against
 576 x 1536 weights) on an AMD EPYC, with the same float32 arithmetic (no reduced-precision
-mode). Everything else (CUDA, half precision, torch builds without oneDNN) uses ``F.linear``;
-bf16 on the CPU already goes through oneDNN there.
+mode). Everything else (CUDA, float16, torch builds without oneDNN) uses ``F.linear``.
 
 :func:`pack` reorders a weight once into oneDNN's blocked layout, which spares the matmul its
 per-call layout handling: another 1.2x (1 token) to 1.45x (8 tokens) on a whole decode step's
 projections. A packed weight is an opaque ``mkldnn`` tensor that only :func:`linear` reads.
+bfloat16 weights are packed too where the CPU has bf16 dot products (AVX512-BF16 or AMX):
+there a whole SmolLM2 decode step's projections at 8 tokens took 10.5 ms against 18.1 ms in
+packed float32, and a 256-token prefill chunk's 81 ms against 186 ms (2 EPYC cores).
 """
 
 from __future__ import annotations
@@ -19,23 +21,32 @@ import torch.nn.functional as F
 from torch import nn
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN tunes a packed layout for; any other count still works with it.
 _PACK_ROWS = 8
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 dot products in hardware (else oneDNN emulates them,
+    slower than float32)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return _ONEDNN and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    if not _ONEDNN or weight.device.type != "cpu":
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` (float32, CPU; see :func:`can_pack`) in oneDNN's blocked layout."""
+    """``weight [out, in]`` (CPU; see :func:`can_pack`) in oneDNN's blocked layout."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` and ``weight [out, in]`` (or :func:`pack` of
     it)."""
-    if _ONEDNN and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
+    if _ONEDNN and x.dtype == weight.dtype and x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu":
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

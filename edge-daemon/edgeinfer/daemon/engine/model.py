@@ -5,7 +5,8 @@ step's tokens are one flat ``[T]`` batch from many sequences, and attention read
 the paged KV cache described by :class:`AttentionMetadata`. Module names equal the checkpoint
 tensor names, so loading is a straight copy; q/k/v and gate/up then each run as one matmul over
 a stacked weight whose rows the checkpoint parameters are views of (:class:`FusedProjection`),
-and on the CPU in float32 every projection runs on oneDNN with packed weights (:mod:`linear`).
+and on the CPU every float32 projection (bfloat16 too, on CPUs with bf16 dot products) runs on
+oneDNN with packed weights (:mod:`linear`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,10 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # The same ops as below in one call (bit-identical): less dispatch per token.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 and cast back before the weight, exactly as transformers does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Normalise in float32 and cast back before the weight, as transformers does; the fused
+        # op normalises exactly like its mean/rsqrt (float32 is bit-identical, see above).
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class FusedProjection(nn.Module):
@@ -80,7 +80,7 @@ class FusedProjection(nn.Module):
 
     def pack(self) -> None:
         """Keep the fused weight only in oneDNN's packed layout (see :func:`linear.pack`); the
-        parameters are emptied. A no-op unless fused, on the CPU in float32."""
+        parameters are emptied. A no-op unless fused and :func:`linear.can_pack`."""
         if self.weight is None or not can_pack(self.weight):
             return
         self.weight = pack(self.weight)
@@ -260,8 +260,8 @@ class CausalLM(nn.Module):
                 layer.fuse_projections()
 
     def pack_weights(self) -> None:
-        """On the CPU in float32, hold every projection's weight in oneDNN's packed layout only
-        (see :mod:`linear`): the parameters are emptied, so call this once, after loading, and
+        """Where :func:`linear.can_pack` allows, hold every projection's weight in oneDNN's
+        packed layout only: the parameters are emptied, so call this once, after loading, and
         never with weights that change afterwards (per-layer compressed weights). A tied LM
         head keeps the embedding's weight and packs a copy."""
         for layer in self.model.layers:

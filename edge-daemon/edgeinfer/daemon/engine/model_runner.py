@@ -150,8 +150,10 @@ class ModelRunner:
             lens = [s.num_computed_tokens + 1 for s, _ in decodes]
             meta.decode_block_tables = int_tensor(tables, torch.int32).view(-1, width).to(dev)
             meta.decode_context_lens = int_tensor(array("i", lens), torch.int32).to(dev)
-            key_bytes = 2 * self.layout.page_bytes // bs
-            if dev.type == "cpu" and decode_in_place(self.layout.dtype, key_bytes):
+            lay = self.layout
+            key_bytes = 2 * lay.page_bytes // bs
+            kv_values = 2 * lay.num_kv_heads * lay.head_dim
+            if dev.type == "cpu" and decode_in_place(lay.dtype, kv_values):
                 meta.decode_in_place = True
             elif dev.type == "cpu":
                 seq_tables = [s.block_table for s, _ in decodes]
