@@ -25,3 +25,21 @@ def test_cpu_engine_threads_use_every_core_by_default() -> None:
 )
 def test_engine_threads_otherwise(overrides: dict[str, object], expected: int | None) -> None:
     assert DaemonConfig(**overrides).engine_threads() == expected  # type: ignore[arg-type]
+
+
+def test_decode_only_steps_leave_the_event_loop_a_core_by_default() -> None:
+    cores = len(os.sched_getaffinity(0))
+    engine = DaemonConfig(device="cpu").to_engine_config()
+    assert engine.decode_threads == max(cores - 1, 1)
+    assert DaemonConfig(device="cpu", num_threads=4).engine_decode_threads() == 3
+    assert DaemonConfig(device="cpu", num_threads=1).engine_decode_threads() == 1
+    assert DaemonConfig(device="cpu", decode_threads=2).engine_decode_threads() == 2
+    assert DaemonConfig(device="cuda").engine_decode_threads() is None
+
+
+def test_decode_threads_are_validated() -> None:
+    from edgeinfer.daemon.engine.config import EngineConfig
+    from edgeinfer.daemon.engine.errors import EngineError
+
+    with pytest.raises(EngineError, match="decode_threads must be >= 1"):
+        EngineConfig(decode_threads=0)

@@ -35,6 +35,9 @@ class EngineConfig:
     enforce_eager: bool = False
     show_progress: bool | None = None  # None: only on a terminal
     num_threads: int | None = None  # torch intra-op threads on the CPU
+    # Threads for steps that only decode (memory-bound on the CPU); None: num_threads. A server
+    # gives its event loop a core this way while prefill steps still use every core.
+    decode_threads: int | None = None
     compressed_weights: CompressedWeights = "decompress_at_load"
     # tensor_parallel x pipeline_parallel ranks, one process (and GPU) each; see
     # engine/parallel. Above 1 x 1, kv_cache_bytes is each rank's budget.
@@ -54,6 +57,10 @@ class EngineConfig:
         for name in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, name) < 1:
                 raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_threads", "decode_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise EngineError(f"{name} must be >= 1, got {value}")
         if self.dtype not in ("auto", *_DTYPES):
             raise EngineError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.compressed_weights not in ("decompress_at_load", "per_layer"):

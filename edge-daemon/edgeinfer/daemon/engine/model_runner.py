@@ -39,6 +39,9 @@ class ModelRunner:
         self.dtype = cfg.resolve_dtype(model_cfg)
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
+        # torch intra-op threads per step kind (CPU): (decode-only steps, steps with prefill).
+        every = cfg.num_threads or torch.get_num_threads()
+        self._threads = (cfg.decode_threads or every, every)
         self.model = self._load(model_cfg, model_dir, cfg)
         self.layout = KVLayout(
             num_layers=model_cfg.num_layers,
@@ -169,6 +172,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the model on a batch; returns float32 logits ``[N, vocab]`` of ``N`` samplers."""
         inputs, meta, samplers, max_pos = self.prepare(batch)
+        if self.device.type == "cpu":
+            threads = self._threads[bool(meta.prefills)]
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         if not samplers:
             # Only partial prefill chunks: fill the cache, skip the LM head entirely.
             inputs["logits_indices"] = inputs["logits_indices"][:0]
