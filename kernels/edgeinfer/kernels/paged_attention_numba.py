@@ -12,9 +12,14 @@ One thread: numba's parallel layers bring a second thread pool (its ``omp`` laye
 system's libgomp beside the copy torch bundles), whose spinning workers fight torch's for the
 cores; decode attention is a small part of a step next to the weights' matmuls.
 
-float32 and bfloat16 caches: a bf16 value widens to float32 exactly (its 16 bits become the
-top half of a float32), so the kernel reads bf16 pages as ``uint16`` and computes in float32;
-queries and the result are float32 (the wrapper casts them). float16 keeps the torch path.
+float32 and bfloat16: a bf16 value widens to float32 exactly (its 16 bits become the top half
+of a float32), so bf16 queries and pages are read as their bits (``uint16``), everything is
+computed in float32 and the result is rounded once to bf16 (to nearest even, as torch casts),
+with no cast of q or the output around the call. float16 keeps the torch path.
+
+The softmax's exponentials use a polynomial (Cephes' ``expf``: range reduction by powers of
+two, degree-6 polynomial, within 2 ulp): plain arithmetic that LLVM vectorizes, where a call to
+libm's ``expf`` per score runs one at a time (numba's wheels have no SVML).
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ from numba import njit, types
 from numba.extending import overload
 from torch import Tensor
 
-_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+_DTYPES = (torch.float32, torch.bfloat16)
+_LOG2E = np.float32(1.4426950408889634)
+# ln 2 split in two so n * _LN2_HI is exact for the n that occur (Cody-Waite reduction).
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
 
 
 def _widen(x):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced when compiled
-    """A cache value as float32 (compiled per cache dtype by the overload below)."""
+    """A stored value as float32 (compiled per dtype by the overload below)."""
     raise NotImplementedError
 
 
@@ -43,40 +52,81 @@ def _widen_impl(x):  # type: ignore[no-untyped-def]
     return None
 
 
+def _narrow(x, like):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced when compiled
+    """float32 ``x`` in the storage type of ``like`` (compiled per dtype)."""
+    raise NotImplementedError
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(x, like):  # type: ignore[no-untyped-def]
+    if isinstance(like, types.Float):
+        return lambda x, like: np.float32(x)
+    if like == types.uint16:
+
+        def to_bf16_bits(x, like):  # type: ignore[no-untyped-def]
+            bits = np.float32(x).view(np.uint32)
+            # Round to nearest, ties to even, on the 16 bits that are dropped (finite x).
+            odd = (bits >> np.uint32(16)) & np.uint32(1)
+            return np.uint16((bits + np.uint32(0x7FFF) + odd) >> np.uint32(16))
+
+        return to_bf16_bits
+    return None
+
+
+@njit(inline="always", fastmath=True)
+def _exp_nonpositive(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """e^x for x <= 0 (a score minus its row's maximum); below -87 it returns ~1e-38."""
+    x = max(x, np.float32(-87.0))
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI - n * _LN2_LO  # |r| <= ln(2) / 2
+    poly = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+    poly = poly * r + np.float32(8.3334519073e-3)
+    poly = poly * r + np.float32(4.1665795894e-2)
+    poly = poly * r + np.float32(1.6666665459e-1)
+    poly = poly * r + np.float32(5.0000001201e-1)
+    e_r = poly * (r * r) + r + np.float32(1.0)
+    # 2^n built from its exponent bits (n >= -126 after the clamp above).
+    two_n = np.uint32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23)).view(np.float32)
+    return e_r * two_n
+
+
 @njit(nogil=True, fastmath=True, cache=True, boundscheck=False)
 def _one_head(  # pragma: no cover - compiled
-    q: np.ndarray,  # [H, D] one sequence's queries
-    k_cache: np.ndarray,  # [num_blocks, block_size, Hkv, D], float32 or bf16 bits (uint16)
+    q: np.ndarray,  # [H, D] one sequence's queries (float32, or bf16 bits as uint16)
+    k_cache: np.ndarray,  # [num_blocks, block_size, Hkv, D], q's dtype
     v_cache: np.ndarray,
     table: np.ndarray,  # [max_blocks]
     length: int,
     kv_head: int,
-    scale: float,
-    scores: np.ndarray,  # [fold, >= length] scratch
-    acc: np.ndarray,  # [fold, D] scratch
-    out: np.ndarray,  # [H, D]
+    scale: np.float32,
+    scores: np.ndarray,  # [fold, >= length] float32 scratch
+    acc: np.ndarray,  # [fold, D] float32 scratch
+    qs: np.ndarray,  # [fold, D] float32 scratch
+    out: np.ndarray,  # [H, D], q's dtype
 ) -> None:
     page = k_cache.shape[1]
     dim = q.shape[1]
     fold = scores.shape[0]
     first = kv_head * fold
+    for f in range(fold):
+        for d in range(dim):
+            qs[f, d] = _widen(q[first + f, d]) * scale
     # Scores: each key row is loaded once for the fold query heads that read it.
     for t in range(length):
         block = table[t // page]
         krow = k_cache[block, t % page, kv_head]
         for f in range(fold):
-            qrow = q[first + f]
             s = np.float32(0.0)
             for d in range(dim):
-                s += qrow[d] * _widen(krow[d])
-            scores[f, t] = s * scale
+                s += qs[f, d] * _widen(krow[d])
+            scores[f, t] = s
     for f in range(fold):
         top = scores[f, 0]
         for t in range(1, length):
             top = max(top, scores[f, t])
         total = np.float32(0.0)
         for t in range(length):
-            e = np.exp(scores[f, t] - top)
+            e = _exp_nonpositive(scores[f, t] - top)
             scores[f, t] = e
             total += e
         norm = np.float32(1.0) / total
@@ -91,7 +141,8 @@ def _one_head(  # pragma: no cover - compiled
             for d in range(dim):
                 acc[f, d] += p * _widen(vrow[d])
     for f in range(fold):
-        out[first + f, :] = acc[f, :]
+        for d in range(dim):
+            out[first + f, d] = _narrow(acc[f, d], out[first + f, d])
 
 
 @njit(nogil=True, fastmath=True, cache=True, boundscheck=False)
@@ -107,29 +158,38 @@ def _decode(  # pragma: no cover - compiled
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     fold = heads // kv_heads
+    width = 1
+    for b in range(batch):
+        width = max(width, lens[b])
+    scores = np.empty((fold, width), np.float32)
+    acc = np.empty((fold, dim), np.float32)
+    qs = np.empty((fold, dim), np.float32)
     for item in range(batch * kv_heads):
         b = item // kv_heads
         kv_head = item % kv_heads
         length = lens[b]
         if length <= 0:
-            out[b, kv_head * fold : (kv_head + 1) * fold, :] = 0.0
+            for h in range(kv_head * fold, (kv_head + 1) * fold):
+                for d in range(dim):
+                    out[b, h, d] = 0
             continue
-        scores = np.empty((fold, length), np.float32)
-        acc = np.empty((fold, dim), np.float32)
-        _one_head(q[b], k_cache, v_cache, tables[b], length, kv_head, scale, scores, acc, out[b])
+        _one_head(
+            q[b], k_cache, v_cache, tables[b], length, kv_head, np.float32(scale),
+            scores, acc, qs, out[b],
+        )  # fmt: skip
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """Whether :func:`paged_decode_attention_numba` takes these tensors (float32 or bfloat16
     on the CPU, queries in the cache's dtype)."""
-    return q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in _CACHE_DTYPES
+    return q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in _DTYPES
 
 
-def _cache_array(cache: Tensor) -> np.ndarray:
-    """The cache's memory as numpy: float32 as is, bfloat16 as its bits (``uint16``)."""
-    if cache.dtype == torch.bfloat16:
-        return cache.view(torch.int16).numpy().view(np.uint16)
-    return cache.numpy()
+def _as_numpy(t: Tensor) -> np.ndarray:
+    """The tensor's memory as numpy (shared): float32 as is, bfloat16 as its bits (``uint16``)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def paged_decode_attention_numba(
@@ -161,15 +221,10 @@ def paged_decode_attention_numba(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    wide = q.dtype != torch.float32
-    # Queries and the result are small ([B, H, D]): the casts cost less than computing in bf16.
-    q32 = q.float() if wide else q.contiguous()
-    out32 = torch.empty_like(q32) if wide else out
-    # The caches are views of the engine's preallocated tensors: numpy shares their memory.
+    # The caches are views of the engine's preallocated tensors: numpy shares their memory, and
+    # q may be a strided slice of the step's q|k|v (numba reads any strides).
     _decode(
-        q32.numpy(), _cache_array(k_cache), _cache_array(v_cache), block_tables.numpy(), lens,
-        scale, out32.numpy(),
+        _as_numpy(q), _as_numpy(k_cache), _as_numpy(v_cache), block_tables.numpy(), lens,
+        scale, _as_numpy(out),
     )  # fmt: skip
-    if wide:
-        out.copy_(out32)
     return out
