@@ -27,14 +27,9 @@ def test_engine_threads_otherwise(overrides: dict[str, object], expected: int | 
     assert DaemonConfig(**overrides).engine_threads() == expected  # type: ignore[arg-type]
 
 
-def test_decode_only_steps_leave_the_event_loop_a_core_by_default() -> None:
-    cores = len(os.sched_getaffinity(0))
-    engine = DaemonConfig(device="cpu").to_engine_config()
-    assert engine.decode_threads == max(cores - 1, 1)
-    assert DaemonConfig(device="cpu", num_threads=4).engine_decode_threads() == 3
-    assert DaemonConfig(device="cpu", num_threads=1).engine_decode_threads() == 1
-    assert DaemonConfig(device="cpu", decode_threads=2).engine_decode_threads() == 2
-    assert DaemonConfig(device="cuda").engine_decode_threads() is None
+def test_decode_threads_pass_through() -> None:
+    assert DaemonConfig(device="cpu").to_engine_config().decode_threads is None  # = num_threads
+    assert DaemonConfig(device="cpu", decode_threads=1).to_engine_config().decode_threads == 1
 
 
 def test_decode_threads_are_validated() -> None:

@@ -73,16 +73,17 @@ async def _load(app: web.Application, prebuilt: LLMEngine | None) -> None:
     state = app[STATE_KEY]
     try:
         if prebuilt is not None:
-            llm = prebuilt
+            engine = AsyncEngine(prebuilt)
+            engine.start()
         else:
             log.info("loading model %s", config.model_name)
-            llm = await asyncio.to_thread(LLMEngine, config.to_engine_config())
+            engine_config = config.to_engine_config()
+            engine = await AsyncEngine.launch(lambda: LLMEngine(engine_config))
     except Exception as exc:  # any failure to load is reported, then main exits
         log.error("cannot load model %s: %s", config.model_name, exc)
         state.failed(exc)
         return
-    engine = AsyncEngine(llm)
-    engine.start()
+    llm = engine.engine
     metrics = app[METRICS_KEY]
     load = LoadTracker(config, engine, metrics, state.load_status)
     plane = TransferPlane(config, engine, load)

@@ -158,22 +158,6 @@ class DaemonConfig:
             return None
         return len(os.sched_getaffinity(0))
 
-    def engine_decode_threads(self) -> int | None:
-        """``decode_threads``, or by default on the CPU one core fewer than
-        :meth:`engine_threads` (at least one) for steps that only decode.
-
-        A decode step is memory-bound and its threads meet at a barrier after every op, so a
-        thread that loses its core to the event loop (or the client beside it) stalls them all.
-        On 2 cores, 8 streams, bf16 (`bench/serving.py --workload c8`, `--url` runs,
-        interleaved): every step on 2 threads 134-155 output tok/s (ITL p50 37-43 ms); every
-        step on 1, 158-162 tok/s but TTFT p50 0.39-0.41 s; decode on 1 and prefill on 2,
-        150-172 tok/s (ITL p50 31-36 ms) with TTFT p50 0.31-0.36 s.
-        """
-        if self.decode_threads is not None:
-            return self.decode_threads
-        threads = self.engine_threads()
-        return None if threads is None else max(threads - 1, 1)
-
     def to_engine_config(self) -> EngineConfig:
         try:
             return EngineConfig(
@@ -188,7 +172,7 @@ class DaemonConfig:
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_threads=self.engine_threads(),
-                decode_threads=self.engine_decode_threads(),
+                decode_threads=self.decode_threads,
                 compressed_weights=self.compressed_weights,
                 tensor_parallel=self.tensor_parallel,
                 pipeline_parallel=self.pipeline_parallel,

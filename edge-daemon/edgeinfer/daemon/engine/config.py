@@ -35,8 +35,8 @@ class EngineConfig:
     enforce_eager: bool = False
     show_progress: bool | None = None  # None: only on a terminal
     num_threads: int | None = None  # torch intra-op threads on the CPU
-    # Threads for steps that only decode (memory-bound on the CPU); None: num_threads. A server
-    # gives its event loop a core this way while prefill steps still use every core.
+    # Threads for steps that only decode (memory-bound on the CPU); None: num_threads. Fewer
+    # can leave a core to other work on the host while prefill steps still use every core.
     decode_threads: int | None = None
     compressed_weights: CompressedWeights = "decompress_at_load"
     # tensor_parallel x pipeline_parallel ranks, one process (and GPU) each; see
