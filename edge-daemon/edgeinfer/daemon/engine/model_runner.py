@@ -19,7 +19,8 @@ from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.decode_plan import decode_in_place
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
-from edgeinfer.daemon.engine.model import CausalLM
+from edgeinfer.daemon.engine.linear import Linear, linear
+from edgeinfer.daemon.engine.model import CausalLM, FusedProjection
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding
 from edgeinfer.daemon.engine.scheduler import ScheduledBatch
@@ -31,6 +32,38 @@ log = logging.getLogger(__name__)
 
 def _skip_tensor(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
+
+
+@torch.inference_mode()
+def _warm_up_packed(model: CausalLM, max_rows: int, threads: int | None) -> None:
+    """Run every packed weight shape once per decode batch size (1..``max_rows`` rows).
+
+    oneDNN builds a matmul primitive (JIT code) the first time it meets an (input rows,
+    weight shape, threads) combination: ~0.5 ms per projection shape, so a step at a batch size
+    not seen before ran several ms slower, and every batch size a server passes through pays it
+    once. Layers share shapes, so this is a handful of shapes, not every layer (~0.2 s for
+    SmolLM2 at 64 rows). Prefill chunks have too many sizes to build ahead; their matmuls are
+    long enough that the one-off cost hardly shows.
+    """
+    shapes: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (out, in, dtype)
+    for module in model.modules():
+        weight = getattr(module, "packed", None) if isinstance(module, Linear) else None
+        if isinstance(module, FusedProjection):
+            weight = module.weight
+        if weight is not None and weight.is_mkldnn:
+            shapes.setdefault((weight.shape[0], weight.shape[1], weight.dtype), weight)
+    if not shapes:
+        return
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        for (_, features, dtype), weight in shapes.items():
+            x = torch.zeros(max_rows, features, dtype=dtype)
+            for rows in range(1, max_rows + 1):
+                linear(x[:rows], weight)
+    finally:
+        torch.set_num_threads(before)
 
 
 class ModelRunner:
@@ -92,6 +125,7 @@ class ModelRunner:
             )
         if cfg.compressed_weights != "per_layer":
             model.pack_weights()
+            _warm_up_packed(model, cfg.max_num_seqs, cfg.decode_threads or cfg.num_threads)
         return model.eval()
 
     def check_health(self) -> None:
