@@ -70,3 +70,77 @@ def test_fused_projection_views_load_and_pack(bias: bool) -> None:
 def test_fused_projection_rejects_mixed_bias() -> None:
     with pytest.raises(ValueError, match="bias"):
         FusedProjection(Linear(4, 4, bias=True), Linear(4, 4, bias=False))
+
+
+def test_packed_bf16_linear_matches_f_linear() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(40, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    if not can_pack(w):
+        pytest.skip("this CPU has no bf16 dot products: bf16 weights stay unpacked")
+    layer = Linear(96, 40, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    x = torch.randn(9, 96, generator=gen).to(torch.bfloat16)
+    layer.pack()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "native", "expected"),
+    [
+        ("bfloat16", True, torch.bfloat16),  # the checkpoint's own dtype, computed natively
+        ("bfloat16", False, torch.float32),  # emulated bf16 is slower than float32
+        ("float32", True, torch.float32),
+        ("float16", True, torch.float32),  # fp16 -> bf16 would drop mantissa bits
+    ],
+)
+def test_auto_dtype_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, checkpoint: str, native: bool, expected: torch.dtype
+) -> None:
+    from types import SimpleNamespace
+
+    from edgeinfer.daemon.engine import config as engine_config
+
+    monkeypatch.setattr(engine_config, "native_bf16", lambda: native)
+    model_cfg = SimpleNamespace(torch_dtype=checkpoint)
+    cfg = engine_config.EngineConfig(device="cpu")
+    assert cfg.resolve_dtype(model_cfg) == expected  # type: ignore[arg-type]
+    assert (
+        engine_config.EngineConfig(device="cpu", dtype="float32").resolve_dtype(
+            model_cfg  # type: ignore[arg-type]
+        )
+        == torch.float32
+    )
+
+
+def test_load_warms_every_packed_shape_for_each_decode_batch_size(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edgeinfer.daemon.engine import model_runner
+    from edgeinfer.daemon.engine.config import EngineConfig
+    from edgeinfer.daemon.engine.llm_engine import LLMEngine
+    from engine_helpers import make_checkpoint
+
+    calls: list[tuple[int, tuple[int, ...]]] = []
+    real = model_runner.linear
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        calls.append((x.shape[0], tuple(weight.shape)))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(model_runner, "linear", spy)
+    checkpoint = make_checkpoint(tmp_path, "LlamaForCausalLM")
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), device="cpu", max_num_seqs=3))
+    if not calls:
+        pytest.skip("torch without oneDNN: nothing is packed, nothing to warm")
+    cfg = engine.model_config
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        (q + 2 * kv, h),  # q|k|v
+        (h, q),  # o_proj
+        (2 * cfg.intermediate_size, h),  # gate|up
+        (h, cfg.intermediate_size),  # down_proj
+        (cfg.vocab_size, h),  # lm_head
+    }
+    assert sorted(calls) == sorted((rows, s) for s in shapes for rows in (1, 2, 3))
