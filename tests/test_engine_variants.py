@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.linear import native_bf16
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
@@ -45,10 +46,13 @@ def test_half_precision_checkpoint(tmp_path, dtype):
     path = build_tiny_checkpoint(tmp_path / str(dtype), dtype=dtype)
     prompts = random_prompts(3, 512, max_len=60, seed=1)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    as_f32 = LLMEngine(EngineConfig(model=str(path)))  # auto: float32 on the CPU
+    as_f32 = LLMEngine(EngineConfig(model=str(path), dtype="float32"))
     native = LLMEngine(EngineConfig(model=str(path), dtype=str(dtype).split(".")[1]))
     assert native.runner.kv_cache.k[0].dtype == dtype
     assert as_f32.runner.kv_cache.k[0].dtype == torch.float32
+    # auto on the CPU: bf16 stays bf16 where the CPU computes it natively; else float32.
+    auto = EngineConfig(model=str(path)).resolve_dtype(native.model_config)
+    assert auto == (dtype if dtype == torch.bfloat16 and native_bf16() else torch.float32)
     for out in native.generate(prompts, params):
         assert len(out.token_ids) == 6
     logits32 = as_f32.prompt_logits(prompts[0])

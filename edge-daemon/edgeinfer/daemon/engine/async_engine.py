@@ -58,8 +58,11 @@ class AsyncEngine:
         (see the module docstring for why one thread does both); raises what ``build`` does."""
         loop = asyncio.get_running_loop()
         ready: Future[AsyncEngine] = Future()
+        abandoned = threading.Event()  # the caller was cancelled: nobody will stop the engine
 
         def main() -> None:
+            if not ready.set_running_or_notify_cancel():
+                return
             try:
                 engine = cls(build())
             except BaseException as exc:
@@ -68,10 +71,21 @@ class AsyncEngine:
             engine._loop = loop
             engine._thread = threading.current_thread()
             ready.set_result(engine)
-            engine._run()
+            if not abandoned.is_set():
+                engine._run()
 
         threading.Thread(target=main, name="edgeinfer-engine", daemon=True).start()
-        return await asyncio.wrap_future(ready)
+        try:
+            return await asyncio.wrap_future(ready)
+        except asyncio.CancelledError:
+            # Loading goes on in the thread; whatever it builds stops at once (set before the
+            # check below, so the thread either sees the flag or its engine is stopped here).
+            abandoned.set()
+            if ready.done() and ready.exception() is None:
+                orphan = ready.result()
+                orphan._stopping = True
+                orphan._wake.set()
+            raise
 
     def start(self) -> None:
         """Start stepping an engine built elsewhere (tests, tools); a server uses
