@@ -231,7 +231,10 @@ def test_draining_the_best_pop_moves_traffic_without_a_failure(stack: Stack) -> 
     # Streams in flight across the drain finished without a failure wherever they were placed:
     # one sent just before the drain call may be placed after the router stopped using pop-a.
     assert set(across) <= {"pop-a", "pop-b"}
-    assert after and set(after) == {"pop-b"}  # the next best by measured RTT
+    # Nothing reaches the drained PoP; most go to the next best by measured RTT (pop-b), and
+    # as before the drain, load may spill some further (pop-c).
+    assert after and "pop-a" not in after
+    assert after.count("pop-b") > len(after) / 2, _count(after)
 
 
 def _count(pops: list[str | None]) -> dict[str | None, int]:
