@@ -158,5 +158,5 @@ class LocalCluster:
             for proc in group:  # the whole rank gets SIGTERM before any is waited for
                 proc.send_signal(signal.SIGTERM)
             for proc in group:
-                codes[proc.name] = proc.stop(self.stop_timeout_s)
+                codes[proc.name] = proc.stop(self.stop_timeout_s, term_sent=True)
         return codes

@@ -90,15 +90,18 @@ class ChildProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
 
-    def stop(self, timeout_s: float = 20.0, group: bool = False) -> int:
+    def stop(self, timeout_s: float = 20.0, group: bool = False, *, term_sent: bool = False) -> int:
         """SIGTERM, up to ``timeout_s`` to exit, then SIGKILL; its exit status.
 
         ``group`` signals the whole process group, for children that fork helpers of their own.
+        ``term_sent``: the caller already sent SIGTERM, so only wait: a second SIGTERM means
+        "stop waiting" to a server with a two-step exit, and may land after its handler is gone.
         """
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if not self.running():
                 break
-            self.send_signal(sig, group)
+            if not (term_sent and sig == signal.SIGTERM):
+                self.send_signal(sig, group)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout_s)
         return self.popen.wait()

@@ -1,0 +1,47 @@
+"""ChildProcess.stop with a server's two-step exit (first SIGTERM: drain; second: give up)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from edgeinfer.shared.processes import spawn
+
+# Exits 0 half a second after the first SIGTERM, 3 at once on a second one.
+TWO_STEP = """
+import signal, sys, time
+hits = []
+def on_term(*_):
+    hits.append(1)
+    if len(hits) > 1:
+        sys.exit(3)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while not hits:
+    time.sleep(0.01)
+deadline = time.monotonic() + 0.5
+while time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(0)
+"""
+
+
+def _start(tmp_path: Path, name: str):
+    proc = spawn(name, [sys.executable, "-c", TWO_STEP], workdir=tmp_path, url="http://unused")
+    deadline = time.monotonic() + 10
+    while "ready" not in proc.output() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc
+
+
+def test_stop_after_the_callers_own_sigterm_only_waits(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "waited")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stop(timeout_s=10, term_sent=True) == 0  # drained, not cut short
+
+
+def test_stop_sends_sigterm_itself_by_default(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "plain")
+    assert proc.stop(timeout_s=10) == 0
