@@ -21,6 +21,7 @@ signal.signal(signal.SIGTERM, on_term)
 print("ready", flush=True)
 while not hits:
     time.sleep(0.01)
+print("draining", flush=True)
 deadline = time.monotonic() + 0.5
 while time.monotonic() < deadline:
     time.sleep(0.01)
@@ -30,16 +31,21 @@ sys.exit(0)
 
 def _start(tmp_path: Path, name: str):
     proc = spawn(name, [sys.executable, "-c", TWO_STEP], workdir=tmp_path, url="http://unused")
-    deadline = time.monotonic() + 10
-    while "ready" not in proc.output() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _wait_for(proc, "ready")
     return proc
+
+
+def _wait_for(proc, word: str) -> None:
+    deadline = time.monotonic() + 10
+    while word not in proc.output() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def test_stop_after_the_callers_own_sigterm_only_waits(tmp_path: Path) -> None:
     proc = _start(tmp_path, "waited")
     proc.send_signal(signal.SIGTERM)
-    assert proc.stop(timeout_s=10, term_sent=True) == 0  # drained, not cut short
+    _wait_for(proc, "draining")  # the first signal was handled: a second would cut it short
+    assert proc.stop(timeout_s=10, term_sent=True) == 0
 
 
 def test_stop_sends_sigterm_itself_by_default(tmp_path: Path) -> None:
