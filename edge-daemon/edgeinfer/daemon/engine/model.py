@@ -270,6 +270,12 @@ class CausalLM(nn.Module):
         if isinstance(self.lm_head, Linear):
             self.lm_head.pack(keep_weight=self.config.tie_word_embeddings)
 
+    def packed_weights(self) -> list[torch.Tensor]:
+        """The oneDNN-packed weights :meth:`pack_weights` left (none where it could not pack)."""
+        weights = [m.weight for m in self.modules() if isinstance(m, FusedProjection)]
+        weights += [m.packed for m in self.modules() if isinstance(m, Linear)]
+        return [w for w in weights if w is not None and w.is_mkldnn]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]

@@ -19,8 +19,8 @@ from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.decode_plan import decode_in_place
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
-from edgeinfer.daemon.engine.linear import Linear, linear
-from edgeinfer.daemon.engine.model import CausalLM, FusedProjection
+from edgeinfer.daemon.engine.linear import linear
+from edgeinfer.daemon.engine.model import CausalLM
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding
 from edgeinfer.daemon.engine.scheduler import ScheduledBatch
@@ -35,28 +35,21 @@ def _skip_tensor(name: str) -> bool:
 
 
 @torch.inference_mode()
-def _warm_up_packed(model: CausalLM, max_rows: int, threads: int | None) -> None:
+def _warm_up_packed(model: CausalLM, max_rows: int, threads: int) -> None:
     """Run every packed weight shape once per decode batch size (1..``max_rows`` rows).
 
     oneDNN builds a matmul primitive (JIT code) the first time it meets an (input rows,
     weight shape, threads) combination: ~0.5 ms per projection shape, so a step at a batch size
     not seen before ran several ms slower, and every batch size a server passes through pays it
-    once. Layers share shapes, so this is a handful of shapes, not every layer (~0.2 s for
-    SmolLM2 at 64 rows). Prefill chunks have too many sizes to build ahead; their matmuls are
-    long enough that the one-off cost hardly shows.
+    once. Layers share shapes, so this is five shapes, not every layer (0.15 s for the tiny
+    preset, 0.8 s for SmolLM2, at 64 rows). Prefill chunks have too many sizes to build ahead;
+    their matmuls are long enough that the one-off cost hardly shows.
     """
-    shapes: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (out, in, dtype)
-    for module in model.modules():
-        weight = getattr(module, "packed", None) if isinstance(module, Linear) else None
-        if isinstance(module, FusedProjection):
-            weight = module.weight
-        if weight is not None and weight.is_mkldnn:
-            shapes.setdefault((weight.shape[0], weight.shape[1], weight.dtype), weight)
+    shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in model.packed_weights()}
     if not shapes:
         return
     before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
     try:
         for (_, features, dtype), weight in shapes.items():
             x = torch.zeros(max_rows, features, dtype=dtype)
@@ -125,7 +118,7 @@ class ModelRunner:
             )
         if cfg.compressed_weights != "per_layer":
             model.pack_weights()
-            _warm_up_packed(model, cfg.max_num_seqs, cfg.decode_threads or cfg.num_threads)
+            _warm_up_packed(model, cfg.max_num_seqs, threads=self._threads[0])
         return model.eval()
 
     def check_health(self) -> None:
@@ -188,12 +181,12 @@ class ModelRunner:
             meta.decode_block_tables = int_tensor(tables, torch.int32).view(-1, width).to(dev)
             meta.decode_context_lens = int_tensor(array("i", lens), torch.int32).to(dev)
             lay = self.layout
-            key_bytes = 2 * lay.page_bytes // bs
-            kv_values = 2 * lay.num_kv_heads * lay.head_dim
+            kv_values = 2 * lay.num_kv_heads * lay.head_dim  # per cached token, every KV head
             if dev.type == "cpu" and decode_in_place(lay.dtype, kv_values):
                 meta.decode_in_place = True
             elif dev.type == "cpu":
                 seq_tables = [s.block_table for s, _ in decodes]
+                key_bytes = kv_values * lay.dtype.itemsize
                 meta.decode_plan = plan_decode_cpu(seq_tables, lens, bs, key_bytes)
         inputs = {
             "input_ids": int_tensor(ids, torch.long).to(dev),
