@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import uuid
 import zlib
 from typing import Any
 
@@ -90,9 +91,12 @@ def test_kv_round_trip_over_zmq(dtype: str, array: np.ndarray) -> None:
         (array, empty.data),  # type: ignore[arg-type]  # a bare ndarray works at run time
     )
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    # A closed socket releases its inproc name asynchronously (in zmq's I/O thread), so each
+    # case binds its own name rather than reusing one the previous case may still hold.
+    address = f"inproc://kv-round-trip-{uuid.uuid4().hex}"
     with ctx.socket(zmq.PAIR) as tx, ctx.socket(zmq.PAIR) as rx:
-        rx.bind("inproc://kv-round-trip")
-        tx.connect("inproc://kv-round-trip")
+        rx.bind(address)
+        tx.connect(address)
         tx.send_multipart(encode(msg), copy=False)
         got = decode(rx.recv_multipart(copy=False))
     assert isinstance(got, KVChunk)
