@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from edgeinfer.kernels import paged_attention_cpu
 from edgeinfer.kernels.paged_attention import (
     decode_attention,
     paged_decode_attention,
@@ -255,3 +256,18 @@ def test_triton_default_splits_long_context():
     q = torch.randn(2, 4, 32).to(DEVICE, torch.bfloat16)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
     check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.2), torch.bfloat16)
+
+
+@pytest.mark.parametrize(("start", "chunk", "block_bytes"), [(0, 40, 1 << 20), (37, 21, 2048)])
+def test_bf16_prefill_matmuls_match_naive(monkeypatch, start, chunk, block_bytes):
+    # The bf16 matmul path (CPUs with bf16 dot products), forced on: after a prefix, from the
+    # first token, and in several row blocks (a tiny block budget: 16 rows per block).
+    monkeypatch.setattr(paged_attention_cpu, "_bf16_dot", lambda: True)
+    monkeypatch.setattr(paged_attention_cpu, "MATMUL_MIN_CHUNK", 1)
+    monkeypatch.setattr(paged_attention_cpu, "MATMUL_SCORE_BYTES", block_bytes)
+    k_cache, v_cache, tables, _ = make_cache([start + chunk], 2, 32, 16, torch.bfloat16)
+    q = torch.randn(chunk, 6, 32).to(torch.bfloat16)
+    out = paged_prefill_attention_cpu(q, k_cache, v_cache, tables[0], start, 0.2)
+    qpos = torch.arange(start, start + chunk)
+    expected = naive_attention(q, k_cache, v_cache, tables[0], start + chunk, qpos, 0.2)
+    check(out, expected, torch.bfloat16)

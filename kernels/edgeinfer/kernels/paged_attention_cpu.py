@@ -17,10 +17,12 @@ lengths and key width, which every layer of a step shares: the engine plans once
 host lists, no tensor reads) and each layer passes the :class:`DecodePlan` in. When the caller already orders its sequences by
 context length, groups are contiguous row ranges and no query or output rows are copied.
 
-Prefill: torch's CPU flash kernel does not take grouped-query inputs (``enable_gqa`` or a
-boolean mask with unequal head counts send SDPA to its math path, which materialises the
+Prefill runs on torch's CPU flash kernel, which does not take grouped-query inputs (``enable_gqa``
+or a boolean mask with unequal head counts send SDPA to its math path, which materialises the
 ``[H, T, L]`` scores: ~3x slower at 1024 tokens and hundreds of MB of page faults), so the
-chunk's K/V heads are repeated up to the query heads first, a copy of ``T x H x D``.
+chunk's K/V heads are repeated up to the query heads first, a copy of ``T x H x D``. bf16 on
+CPUs with bf16 dot products instead runs as blocked matmuls after a cached prefix and for long
+chunks (:func:`_prefill_attention_matmul`), where the flash kernel is 1.5-3x slower.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ KEY_BYTE_NS = 0.045
 # Measured, a key read from L3 or DRAM costs 2-3x one read from L2, which outweighs the calls
 # that bigger groups save.
 GROUP_BYTES = 512 << 10
+
+# bf16 prefill runs as matmuls (:func:`_prefill_attention_matmul`) after a cached prefix, or
+# from this many tokens: torch's flash kernel needs an explicit mask there (2-3x slower than
+# the matmuls at 64-2048 tokens after a 512-token prefix on 2 EPYC cores), and from ~1k tokens
+# the matmuls win anyway (0.5-0.7x its time); below, the two are within noise of each other.
+MATMUL_MIN_CHUNK = 1024
+# Scores of one block of query rows (bytes); larger blocks measured as fast or faster.
+MATMUL_SCORE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -213,6 +223,8 @@ def prefill_attention_cpu(
     length, kv_heads, _ = k.shape
     if length != start_pos + chunk:
         raise ValueError(f"{length} keys for a chunk of {chunk} at position {start_pos}")
+    if q.dtype == torch.bfloat16 and (start_pos > 0 or chunk >= MATMUL_MIN_CHUNK) and _bf16_dot():
+        return _prefill_attention_matmul(q, k, v, scale, start_pos)
     fold = heads // kv_heads
     # Heads first: q [1, H, T, D], k/v [1, H, L, D] with each KV head repeated `fold` times.
     q4 = q.transpose(0, 1).unsqueeze(0)
@@ -226,6 +238,46 @@ def prefill_attention_cpu(
         mask = positions[None, :] <= positions[start_pos:, None]  # [T, L]
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
+
+
+def _bf16_dot() -> bool:
+    """Whether this CPU has bf16 dot products (oneDNN's bf16 matmuls are fast only then)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _prefill_attention_matmul(
+    q: Tensor,  # [T, H, D] bfloat16
+    k: Tensor,  # [L, Hkv, D]
+    v: Tensor,
+    scale: float,
+    start_pos: int,
+) -> Tensor:
+    """:func:`prefill_attention_cpu` as bf16 matmuls and a softmax, in blocks of query rows.
+
+    The computation of transformers' eager attention in bf16 (scores rounded to bf16, softmax
+    accumulated in float32, probabilities rounded to bf16), blocked so a block's scores stay
+    near the caches. The query heads of one KV head are rows of one matrix, so grouped-query
+    attention reads K/V in place, and only the chunk's own square is masked.
+    """
+    chunk, heads, dim = q.shape
+    length, kv_heads, _ = k.shape
+    fold = heads // kv_heads
+    # [Hkv, T * fold, D], row t * fold + f: query head kv * fold + f of token t.
+    qh = (q * scale).view(chunk, kv_heads, fold, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
+    kt = k.permute(1, 2, 0)  # [Hkv, D, L]
+    vh = v.transpose(0, 1)  # [Hkv, L, D]
+    out = q.new_empty(kv_heads, chunk * fold, dim)
+    # True where a row's token precedes a key of the chunk: [T * fold, T].
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu_(1)
+    future = future.repeat_interleave(fold, dim=0)
+    rows = max(16, MATMUL_SCORE_BYTES // (heads * length * q.element_size()))
+    for a in range(0, chunk, rows):
+        b = min(chunk, a + rows)
+        r = slice(a * fold, b * fold)
+        scores = torch.bmm(qh[:, r], kt[:, :, : start_pos + b])  # [Hkv, rows, keys]
+        scores[:, :, start_pos + a :].masked_fill_(future[r, a:b], float("-inf"))
+        torch.bmm(torch.softmax(scores, dim=-1), vh[:, : start_pos + b], out=out[:, r])
+    return out.view(kv_heads, chunk, fold, dim).transpose(0, 1).reshape(chunk, heads, dim)
 
 
 def paged_prefill_attention_cpu(
