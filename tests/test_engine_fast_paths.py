@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgeinfer.daemon.engine import linear as linear_module
 from edgeinfer.daemon.engine.linear import Linear, can_pack, linear
 from edgeinfer.daemon.engine.model import FusedProjection
 from edgeinfer.daemon.engine.rope import Rotation, apply_rotary
@@ -22,6 +23,7 @@ def test_rotation_equals_apply_rotary_bitwise(dtype: torch.dtype) -> None:
     assert torch.equal(Rotation.build(cos, sin, dtype).apply(x), apply_rotary(x, cos, sin))
 
 
+@pytest.mark.usefixtures("pack_small")
 @pytest.mark.parametrize("rows", [0, 1, 8, 300])
 def test_linear_matches_f_linear(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -30,6 +32,26 @@ def test_linear_matches_f_linear(rows: int) -> None:
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def pack_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the small weights of these tests take the oneDNN paths (see the size rule below)."""
+    monkeypatch.setattr(linear_module, "ONEDNN_MIN_FLOAT32_WEIGHT", 0)
+
+
+def test_small_float32_weights_stay_on_f_linear() -> None:
+    # oneDNN builds a kernel per new row count, which a small weight never earns back.
+    small = torch.randn(64, 192)
+    assert not can_pack(small)
+    assert can_pack(torch.randn(576, 576)) == linear_module._ONEDNN
+    layer = Linear(192, 64)
+    layer.pack()
+    assert layer.packed is None and layer.weight.shape == (64, 192)
+    x = torch.randn(7, 192)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.usefixtures("pack_small")
 def test_packed_linear_keeps_or_drops_the_weight() -> None:
     layer = Linear(96, 40)
     shared = Linear(96, 40, bias=False)
@@ -46,6 +68,7 @@ def test_packed_linear_keeps_or_drops_the_weight() -> None:
         torch.testing.assert_close(shared(x), before_shared, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("pack_small")
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_projection_views_load_and_pack(bias: bool) -> None:
     parts = [Linear(32, n, bias=bias) for n in (24, 8, 8)]
@@ -114,6 +137,7 @@ def test_auto_dtype_on_the_cpu(
     )
 
 
+@pytest.mark.usefixtures("pack_small")
 def test_load_warms_every_packed_shape_for_each_decode_batch_size(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

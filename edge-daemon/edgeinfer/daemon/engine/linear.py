@@ -4,7 +4,8 @@
 takes its AVX-512 paths on Intel). oneDNN, which every x86 torch wheel ships, runs AVX-512 on
 both and measured 1.3-2.5x faster than MKL on the engine's shapes (1 to 2048 tokens against
 576 x 1536 weights) on an AMD EPYC, with the same float32 arithmetic (no reduced-precision
-mode). Everything else (CUDA, float16, torch builds without oneDNN) uses ``F.linear``.
+mode). Everything else (CUDA, float16, torch builds without oneDNN, and float32 weights
+under ``ONEDNN_MIN_FLOAT32_WEIGHT`` elements, such as the tiny preset's) uses ``F.linear``.
 
 :func:`pack` reorders a weight once into oneDNN's blocked layout, which spares the matmul its
 per-call layout handling: another 1.2x (1 token) to 1.45x (8 tokens) on a whole decode step's
@@ -24,6 +25,11 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN tunes a packed layout for; any other count still works with it.
 _PACK_ROWS = 8
+# float32 weights with fewer elements stay on ``F.linear`` (MKL): oneDNN builds a kernel for
+# every new row count (0.4-0.6 ms for a 64 x 192 weight, ~1.6 ms for 576 x 960), which a small
+# weight never earns back, and at decode batch sizes MKL is faster on it (5 vs 14 us at 8 rows
+# for 192 x 64; 2 EPYC cores). From SmolLM2's 576 x 576 up oneDNN wins 2-2.5x per call.
+ONEDNN_MIN_FLOAT32_WEIGHT = 1 << 16
 
 
 def native_bf16() -> bool:
@@ -35,7 +41,9 @@ def native_bf16() -> bool:
 def can_pack(weight: torch.Tensor) -> bool:
     if not _ONEDNN or weight.device.type != "cpu":
         return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16())
+    if weight.dtype == torch.float32:
+        return weight.numel() >= ONEDNN_MIN_FLOAT32_WEIGHT
+    return weight.dtype == torch.bfloat16 and native_bf16()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -46,7 +54,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` and ``weight [out, in]`` (or :func:`pack` of
     it)."""
-    if _ONEDNN and x.dtype == weight.dtype and x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu":
+    if (
+        _ONEDNN
+        and x.dtype == weight.dtype
+        and x.dtype in _ONEDNN_DTYPES
+        and x.device.type == "cpu"
+        and (weight.is_mkldnn or can_pack(weight))
+    ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
