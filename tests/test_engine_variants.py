@@ -7,10 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from edgeinfer.daemon.engine.config import EngineConfig
-from edgeinfer.daemon.engine.linear import native_bf16
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
+from edgeinfer.kernels.cpu_features import native_bf16
 from engine_helpers import assert_matches, hf_greedy, random_prompts
 
 MAX_NEW = 8

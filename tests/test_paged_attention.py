@@ -262,7 +262,7 @@ def test_triton_default_splits_long_context():
 def test_bf16_prefill_matmuls_match_naive(monkeypatch, start, chunk, block_bytes):
     # The bf16 matmul path (CPUs with bf16 dot products), forced on: after a prefix, from the
     # first token, and in several row blocks (a tiny block budget: 16 rows per block).
-    monkeypatch.setattr(paged_attention_cpu, "_bf16_dot", lambda: True)
+    monkeypatch.setattr(paged_attention_cpu, "native_bf16", lambda: True)
     monkeypatch.setattr(paged_attention_cpu, "MATMUL_MIN_CHUNK", 1)
     monkeypatch.setattr(paged_attention_cpu, "MATMUL_SCORE_BYTES", block_bytes)
     k_cache, v_cache, tables, _ = make_cache([start + chunk], 2, 32, 16, torch.bfloat16)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edgeinfer.kernels.cpu_features import native_bf16
 from edgeinfer.kernels.triton_utils import cdiv
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -223,7 +224,7 @@ def prefill_attention_cpu(
     length, kv_heads, _ = k.shape
     if length != start_pos + chunk:
         raise ValueError(f"{length} keys for a chunk of {chunk} at position {start_pos}")
-    if q.dtype == torch.bfloat16 and (start_pos > 0 or chunk >= MATMUL_MIN_CHUNK) and _bf16_dot():
+    if q.dtype == torch.bfloat16 and (start_pos > 0 or chunk >= MATMUL_MIN_CHUNK) and native_bf16():
         return _prefill_attention_matmul(q, k, v, scale, start_pos)
     fold = heads // kv_heads
     # Heads first: q [1, H, T, D], k/v [1, H, L, D] with each KV head repeated `fold` times.
@@ -238,11 +239,6 @@ def prefill_attention_cpu(
         mask = positions[None, :] <= positions[start_pos:, None]  # [T, L]
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
-
-
-def _bf16_dot() -> bool:
-    """Whether this CPU has bf16 dot products (oneDNN's bf16 matmuls are fast only then)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _prefill_attention_matmul(
@@ -267,15 +263,17 @@ def _prefill_attention_matmul(
     kt = k.permute(1, 2, 0)  # [Hkv, D, L]
     vh = v.transpose(0, 1)  # [Hkv, L, D]
     out = q.new_empty(kv_heads, chunk * fold, dim)
-    # True where a row's token precedes a key of the chunk: [T * fold, T].
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu_(1)
+    rows = min(chunk, max(16, MATMUL_SCORE_BYTES // (heads * length * q.element_size())))
+    # Within a block of rows, True where a key of the block follows the row's token: every
+    # block masks the same pattern over its own tokens, [rows * fold, rows].
+    future = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
     future = future.repeat_interleave(fold, dim=0)
-    rows = max(16, MATMUL_SCORE_BYTES // (heads * length * q.element_size()))
     for a in range(0, chunk, rows):
         b = min(chunk, a + rows)
         r = slice(a * fold, b * fold)
         scores = torch.bmm(qh[:, r], kt[:, :, : start_pos + b])  # [Hkv, rows, keys]
-        scores[:, :, start_pos + a :].masked_fill_(future[r, a:b], float("-inf"))
+        own = future[: (b - a) * fold, : b - a]
+        scores[:, :, start_pos + a :].masked_fill_(own, float("-inf"))
         torch.bmm(torch.softmax(scores, dim=-1), vh[:, : start_pos + b], out=out[:, r])
     return out.view(kv_heads, chunk, fold, dim).transpose(0, 1).reshape(chunk, heads, dim)
 

@@ -8,8 +8,8 @@ from typing import Literal
 import torch
 
 from edgeinfer.daemon.engine.errors import EngineError
-from edgeinfer.daemon.engine.linear import native_bf16
 from edgeinfer.daemon.engine.model_config import ModelConfig
+from edgeinfer.kernels.cpu_features import native_bf16
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # How a compressed checkpoint's weights are held: decoded once while loading, or kept compressed

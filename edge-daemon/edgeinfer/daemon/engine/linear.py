@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.kernels.cpu_features import native_bf16
+
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN tunes a packed layout for; any other count still works with it.
 _PACK_ROWS = 8
 # float32 weights with fewer elements stay on ``F.linear`` (MKL): oneDNN builds a kernel for
@@ -30,12 +31,6 @@ _PACK_ROWS = 8
 # weight never earns back, and at decode batch sizes MKL is faster on it (5 vs 14 us at 8 rows
 # for 192 x 64; 2 EPYC cores). From SmolLM2's 576 x 576 up oneDNN wins 2-2.5x per call.
 ONEDNN_MIN_FLOAT32_WEIGHT = 1 << 16
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 dot products in hardware (else oneDNN emulates them,
-    slower than float32)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -54,13 +49,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` and ``weight [out, in]`` (or :func:`pack` of
     it)."""
-    if (
-        _ONEDNN
-        and x.dtype == weight.dtype
-        and x.dtype in _ONEDNN_DTYPES
-        and x.device.type == "cpu"
-        and (weight.is_mkldnn or can_pack(weight))
-    ):
+    # oneDNN takes a packed weight, and a plain one where it would have been packed.
+    if x.dtype == weight.dtype and (weight.is_mkldnn or can_pack(weight)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
