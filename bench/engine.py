@@ -5,7 +5,11 @@ Per model, on the same weights, dtype and thread count:
 * mixed workload: seeded random requests (prompts 16-512 tokens, outputs 16-256, exact
   lengths). The engine gets them all at once; transformers runs them in static batches of 8
   with left padding, each batch generating to the longest output among its members, which is
-  how a user batches ``generate()``. Only requested tokens count as output.
+  how a user batches ``generate()``. Only requested tokens count as output. The two sides
+  run ``--mixed-reps`` times, interleaved (engine, HF, engine, HF, ...), and each side's median
+  run is reported: on a shared host the speed drifts by 20-40% within minutes, and one run of
+  each side, back to back, turns that drift into the ratio. The engine's prefix cache is
+  emptied before each of its runs, so a repetition finds none of the last one's blocks.
 * batch 1: a 128-token prompt and 128 output tokens; time per decode token (first token to
   last, so prefill is excluded) beside the memory-bandwidth floor, the weight bytes a decode
   token must read over a measured copy bandwidth.
@@ -104,6 +108,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 def engine_mixed(engine: LLMEngine, workload: list[Request]) -> dict[str, Any]:
+    engine.block_manager.reset_prefix_cache()  # a repetition must not hit the last one's blocks
     before = engine.stats()
     done, t = timed(
         lambda: engine.generate(
@@ -117,6 +122,7 @@ def engine_mixed(engine: LLMEngine, workload: list[Request]) -> dict[str, Any]:
         "output_tokens": tokens,
         "tok_s": tokens / t.wall_s,
         "preemptions": after.num_preemptions - before.num_preemptions,
+        "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
         "kv_blocks_total": after.kv_blocks_total,
     }
 
@@ -211,6 +217,29 @@ def hf_decode(hf: Any, prompt: list[int], n: int) -> tuple[float, list[int]]:
 
 
 # ---- one model ---------------------------------------------------------------------------
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median wall time (the upper one of an even count), with every run's wall."""
+    ranked = sorted(runs, key=lambda r: r["wall_s"])
+    return ranked[len(ranked) // 2] | {"wall_s_samples": [r["wall_s"] for r in runs]}
+
+
+def mixed(
+    engine: LLMEngine, hf: Any, workload: list[Request], reps: int, budget_s: float | None
+) -> dict[str, Any]:
+    """Both sides ``reps`` times, interleaved, so host drift lands on both alike."""
+    engine_runs, hf_runs = [], []
+    for _ in range(reps):
+        engine_runs.append(engine_mixed(engine, workload))
+        hf_runs.append(hf_mixed(hf, workload, budget_s))
+    e, h = median_run(engine_runs), median_run(hf_runs)
+    return {
+        "engine": e,
+        "hf": h,
+        "ratio": e["tok_s"] / h["tok_s"],
+        "pair_ratios": [a["wall_s"] / b["wall_s"] for a, b in zip(hf_runs, engine_runs)],
+    }
+
+
 def repeat(reps: int, fn: Callable[[], tuple[float, list[int]]]) -> tuple[list[float], list[int]]:
     """Every run's seconds per token, and the last run's tokens (they are greedy: all equal)."""
     samples, tokens = [], []
@@ -241,10 +270,10 @@ def bench_model(spec: str, args: argparse.Namespace, gbps: float, console: Conso
     engine.generate([r.prompt for r in warm], greedy(8))
     hf_generate(hf, [r.prompt for r in warm], 8)
 
-    console.print(f"[bold]{spec}[/bold]: mixed workload, engine")
-    e_mixed = engine_mixed(engine, workload)
-    console.print(f"[bold]{spec}[/bold]: mixed workload, transformers")
-    h_mixed = hf_mixed(hf, workload, args.hf_budget)
+    console.print(
+        f"[bold]{spec}[/bold]: mixed workload, engine and transformers, {args.mixed_reps} runs each"
+    )
+    mixed_result = mixed(engine, hf, workload, args.mixed_reps, args.hf_budget)
     console.print(f"[bold]{spec}[/bold]: batch 1 decode")
     e_b1, e_tokens = repeat(args.b1_reps, lambda: engine_decode(engine, b1_prompt, B1_OUTPUT))
     h_b1, h_tokens = repeat(args.b1_reps, lambda: hf_decode(hf, b1_prompt, B1_OUTPUT))
@@ -261,7 +290,7 @@ def bench_model(spec: str, args: argparse.Namespace, gbps: float, console: Conso
             "prompt_tokens": sum(len(r.prompt) for r in workload),
             "output_tokens": sum(r.output_len for r in workload),
         },
-        "mixed": {"engine": e_mixed, "hf": h_mixed, "ratio": e_mixed["tok_s"] / h_mixed["tok_s"]},
+        "mixed": mixed_result,
         "batch1": {
             "prompt_tokens": B1_PROMPT,
             "output_tokens": B1_OUTPUT,
@@ -360,17 +389,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=threads, help="torch threads, both sides")
     parser.add_argument("--b1-reps", type=int, default=3, help="batch-1 runs per side (median)")
     parser.add_argument(
+        "--mixed-reps",
+        type=int,
+        default=3,
+        help="mixed-workload runs per side, interleaved (median)",
+    )
+    parser.add_argument(
         "--hf-budget",
         type=float,
         default=None,
         metavar="SECONDS",
-        help="stop the HF mixed run after this much wall time per model and extrapolate the "
+        help="stop each HF mixed run after this much wall time and extrapolate the "
         "remaining batches (default: run them all)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
-        args.num_requests, args.b1_reps = min(args.num_requests, 16), 1
+        args.num_requests, args.b1_reps, args.mixed_reps = min(args.num_requests, 16), 1, 1
     torch.set_num_threads(args.threads)
     # Rich wraps at 80 columns when piped; the table needs more to stay one line per row.
     console = Console() if sys.stdout.isatty() else Console(width=150)
@@ -410,6 +445,8 @@ def main() -> None:
             f"engine preemptions {r['mixed']['engine']['preemptions']}, "
             f"batch-1 greedy tokens agree for {b['greedy_tokens_agree']}/{B1_OUTPUT}"
         )
+        pairs = ", ".join(f"{x:.2f}x" for x in r["mixed"]["pair_ratios"])
+        console.print(f"{r['model']}: mixed runs, engine vs HF one by one: {pairs}")
         if r["mixed"]["hf"]["extrapolated"]:
             h = r["mixed"]["hf"]
             console.print(

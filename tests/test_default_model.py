@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader
-from edgeinfer.daemon.engine.default_model import cache_dir, resolve_model
+from edgeinfer.daemon.engine.default_model import resolve_model
 from edgeinfer.daemon.engine.errors import ModelLoadError
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.tokenizer import Tokenizer
+from edgeinfer.shared.cache_dir import cache_dir
 
 
 def test_cache_dir_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

