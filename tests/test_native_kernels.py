@@ -1,5 +1,5 @@
-"""The compiled C++ decode-attention kernel: parity with a float64 oracle, its guards, its
-build cache, and the engine's fallback to the portable kernels when it is off."""
+"""The compiled C++ attention kernels (decode and prefill): parity with a float64 oracle, their
+guards, the build cache, and the engine's fallback to the portable kernels when they are off."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from edgeinfer.daemon.engine import decode_plan
+from edgeinfer.daemon.engine import cpu_attention
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
 from edgeinfer.kernels import native_build
 from edgeinfer.kernels import paged_attention_native as native
+from edgeinfer.kernels.cpu_features import native_bf16
 from engine_helpers import assert_matches, hf_greedy, random_prompts
-from test_paged_attention import LENGTHS, check, make_cache, naive_decode
+from test_paged_attention import LENGTHS, check, make_cache, naive_attention, naive_decode
 
 needs_compiler = pytest.mark.skipif(
     native_build.compiler() is None or not native.available(),
@@ -105,6 +106,56 @@ def test_native_decode_rejects_what_it_cannot_take():
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize(
+    ("start", "chunk", "group"),
+    [(0, 1, 1), (0, 37, 3), (0, 200, 2), (5, 37, 3), (16, 64, 4), (130, 100, 3), (300, 3, 1)],
+)
+def test_native_prefill_matches_naive(dtype, head_dim, start, chunk, group):
+    # Fresh prompts and later chunks (prefixes inside a page and on its edge), query blocks of
+    # 32 tokens cut mid-way, 64-key tiles cut mid-way, and a strided q (a slice of q|k|v).
+    k_cache, v_cache, tables, _ = make_cache([start + chunk], 2, head_dim, 16, dtype)
+    qkv = torch.randn(chunk, 2 * group + 4, head_dim).to(dtype)
+    q = qkv[:, : 2 * group]
+    scale = head_dim**-0.5
+    out = native.paged_prefill_attention_native(q, k_cache, v_cache, tables[0], start, scale)
+    qpos = torch.arange(start, start + chunk)
+    check(out, naive_attention(q, k_cache, v_cache, tables[0], start + chunk, qpos, scale), dtype)
+
+
+@needs_compiler
+def test_native_prefill_writes_into_out_and_checks_its_table():
+    k_cache, v_cache, tables, _ = make_cache([40], 2, 32, 16, torch.float32)
+    q = torch.randn(8, 4, 32)
+    dest = torch.full((8, 4, 32), float("nan"))
+    assert (
+        native.paged_prefill_attention_native(q, k_cache, v_cache, tables[0], 32, 0.2, dest) is dest
+    )
+    expected = naive_attention(q, k_cache, v_cache, tables[0], 40, torch.arange(32, 40), 0.2)
+    check(dest, expected, torch.float32)
+    with pytest.raises(ValueError, match="does not cover"):
+        native.paged_prefill_attention_native(q, k_cache, v_cache, tables[0, :2], 32, 0.2)
+    bad = tables[0].clone()
+    bad[0] = -1
+    with pytest.raises(ValueError, match="outside the cache"):
+        native.paged_prefill_attention_native(q, k_cache, v_cache, bad, 32, 0.2)
+
+
+@needs_compiler
+def test_engine_prefill_choice():
+    k_cache = torch.zeros(4, 16, 2, 64)
+    q = torch.zeros(300, 6, 64)
+    assert cpu_attention.prefill_in_place(q, k_cache, 0)
+    assert cpu_attention.prefill_in_place(q, k_cache, 512)
+    assert not cpu_attention.prefill_in_place(q.half(), k_cache.half(), 0)
+    # bf16 after a prefix: oneDNN's bf16 matmuls where the CPU has bf16 dot products.
+    bf16_q, bf16_k = q.bfloat16(), k_cache.bfloat16()
+    assert cpu_attention.prefill_in_place(bf16_q, bf16_k, 0)
+    assert cpu_attention.prefill_in_place(bf16_q, bf16_k, 512) == (not native_bf16())
+
+
+@needs_compiler
 def test_build_is_cached_per_source_and_host(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
     first = native_build.build("paged_decode_attention")
@@ -151,11 +202,13 @@ def test_switched_off_by_environment(monkeypatch):
 
 def test_engine_without_the_native_kernel_matches_hf(tmp_path, monkeypatch):
     # The portable path a host without a compiler takes: numba's kernel for wide KV heads,
-    # torch's plan for narrow ones (this checkpoint's), still token for token with HF.
+    # torch's plan for narrow ones (this checkpoint's), torch's flash kernel for prefill; still
+    # token for token with HF.
     monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(native, "supports", lambda q, k_cache: False)
-    assert not decode_plan.decode_in_place(torch.float32, 64)
-    assert decode_plan.decode_in_place(torch.float32, 512)
+    assert not cpu_attention.prefill_in_place(torch.zeros(4, 2, 16), torch.zeros(1, 16, 1, 16), 0)
+    assert not cpu_attention.decode_in_place(torch.float32, 64)
+    assert cpu_attention.decode_in_place(torch.float32, 512)
     path = build_tiny_checkpoint(tmp_path / "ckpt")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = random_prompts(6, hf.config.vocab_size, max_len=200, seed=3)

@@ -212,6 +212,13 @@ def paged_decode_attention_cpu(
     return out
 
 
+def bf16_matmul_prefill(dtype: torch.dtype, start_pos: int, chunk: int) -> bool:
+    """Whether a prefill chunk runs as bf16 matmuls (see MATMUL_MIN_CHUNK) on this CPU."""
+    return (
+        dtype == torch.bfloat16 and (start_pos > 0 or chunk >= MATMUL_MIN_CHUNK) and native_bf16()
+    )
+
+
 def prefill_attention_cpu(
     q: Tensor,  # [T, H, D], positions start_pos .. start_pos + T - 1
     k: Tensor,  # [L, Hkv, D], positions 0 .. L - 1, L = start_pos + T
@@ -224,7 +231,7 @@ def prefill_attention_cpu(
     length, kv_heads, _ = k.shape
     if length != start_pos + chunk:
         raise ValueError(f"{length} keys for a chunk of {chunk} at position {start_pos}")
-    if q.dtype == torch.bfloat16 and (start_pos > 0 or chunk >= MATMUL_MIN_CHUNK) and native_bf16():
+    if bf16_matmul_prefill(q.dtype, start_pos, chunk):
         return _prefill_attention_matmul(q, k, v, scale, start_pos)
     fold = heads // kv_heads
     # Heads first: q [1, H, T, D], k/v [1, H, L, D] with each KV head repeated `fold` times.

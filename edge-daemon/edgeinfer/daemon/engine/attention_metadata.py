@@ -31,6 +31,6 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B_dec] int32, including the new token
     # CPU only: the decode grouping every layer shares (planned once per step, on the host).
     decode_plan: DecodePlan | None = None
-    # CPU float32/bf16: a kernel reads K/V in their pages, no plan needed (see decode_plan.py).
+    # CPU float32/bf16: a kernel reads K/V in their pages, no plan needed (see cpu_attention.py).
     decode_in_place: bool = False
     prefills: list[PrefillSegment] = field(default_factory=list)

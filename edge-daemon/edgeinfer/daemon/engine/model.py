@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
-from edgeinfer.daemon.engine.decode_plan import paged_decode_attention_in_place
+from edgeinfer.daemon.engine.cpu_attention import paged_decode_attention_in_place, prefill_in_place
 from edgeinfer.daemon.engine.kv_cache import KVCache
 from edgeinfer.daemon.engine.linear import Linear, can_pack, linear, pack
 from edgeinfer.daemon.engine.model_config import ModelConfig
@@ -27,6 +27,7 @@ from edgeinfer.kernels.paged_attention_cpu import (
     paged_prefill_attention_cpu,
     prefill_attention_cpu,
 )
+from edgeinfer.kernels.paged_attention_native import paged_prefill_attention_native
 
 
 class RMSNorm(nn.Module):
@@ -152,7 +153,12 @@ class Attention(nn.Module):
                 out[:nd] = decode_attention(q[:nd], k_cache, v_cache, tables, lens, self.scale)
         for seg in meta.prefills:
             s, e = seg.start, seg.start + seg.length
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], seg, k_cache, v_cache)
+            if q.device.type == "cpu" and prefill_in_place(q, k_cache, seg.start_pos):
+                paged_prefill_attention_native(
+                    q[s:e], k_cache, v_cache, seg.block_table, seg.start_pos, self.scale, out[s:e]
+                )
+            else:
+                out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], seg, k_cache, v_cache)
         return self.o_proj.forward(out.view(t, -1))
 
     def _prefill(

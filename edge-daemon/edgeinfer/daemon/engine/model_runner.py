@@ -17,7 +17,7 @@ from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, Prefil
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
-from edgeinfer.daemon.engine.decode_plan import decode_in_place
+from edgeinfer.daemon.engine.cpu_attention import decode_in_place
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.linear import linear
 from edgeinfer.daemon.engine.model import CausalLM

@@ -1,12 +1,17 @@
-"""Which CPU decode-attention kernel a step's KV cache takes.
+"""Which CPU attention kernel a step's decode tokens and prefill chunks take.
 
-Three kernels attend a step's decode tokens on the CPU. Two read each key where it lies in its
-page: the compiled one (:mod:`edgeinfer.kernels.paged_attention_native`, C++ on torch's OpenMP
-threads) and numba's (:mod:`edgeinfer.kernels.paged_attention_numba`, one thread), the portable
-fallback for hosts where the C++ one did not build. The third, torch's
+Decode: three kernels. Two read each key where it lies in its page: the compiled one
+(:mod:`edgeinfer.kernels.paged_attention_native`, C++ on torch's OpenMP threads) and numba's
+(:mod:`edgeinfer.kernels.paged_attention_numba`, one thread), the portable fallback for hosts
+where the C++ one did not build. The third, torch's
 (:func:`~edgeinfer.kernels.paged_attention_cpu.paged_decode_attention_cpu`), gathers the pages
 of length-sorted groups into padded copies for ``scaled_dot_product_attention``, on a plan made
 once per step (:func:`~edgeinfer.kernels.paged_attention_cpu.plan_decode_cpu`).
+
+Prefill: the compiled kernel, except where bf16 matmuls win (a chunk after a cached prefix, or
+a long one, on CPUs with bf16 dot products: oneDNN's bf16 arithmetic is twice the float32 rate
+the compiled kernel computes at); without it, torch's flash kernel or those matmuls
+(:func:`~edgeinfer.kernels.paged_attention_cpu.paged_prefill_attention_cpu`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import Tensor
 
 from edgeinfer.kernels import paged_attention_native as native
+from edgeinfer.kernels.paged_attention_cpu import bf16_matmul_prefill
 from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba
 
 # Without the compiled kernel, from this many K+V values per cached token decode attention
@@ -51,3 +57,8 @@ def paged_decode_attention_in_place(
             q, k_cache, v_cache, block_tables, context_lens, scale, out
         )
     return paged_decode_attention_numba(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+
+
+def prefill_in_place(q: Tensor, k_cache: Tensor, start_pos: int) -> bool:
+    """Whether the compiled kernel attends this prefill chunk (``q`` [T, H, D]; see above)."""
+    return native.supports(q, k_cache) and not bf16_matmul_prefill(q.dtype, start_pos, q.shape[0])
