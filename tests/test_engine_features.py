@@ -161,3 +161,42 @@ def test_async_engine_streams_and_aborts(engine):
     tokens, running = asyncio.run(main())
     assert tokens == engine.generate([[5, 6, 7]], GREEDY)[0].token_ids
     assert running == 0
+
+
+def test_steps_that_decode_cap_their_prefill_tokens(ckpt):
+    # Two streams decode while three long prompts arrive: each step that decodes prefills at
+    # most 128 prompt tokens, so no decoding stream waits behind a long step; the answers are
+    # the uncapped engine's.
+    prompts = random_prompts(5, 512, min_len=300, max_len=300, seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs, largest = [], []
+    for cap in (128, 0):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), max_prefill_tokens_with_decodes=cap))
+        steps: list[tuple[int, int]] = []  # (decode tokens, prefill tokens) of each step
+        schedule = engine.scheduler.schedule
+
+        def recording(schedule=schedule, steps=steps):
+            batch = schedule()
+            steps.append(
+                (
+                    sum(1 for _, n in batch.entries if n == 1),
+                    sum(n for _, n in batch.entries if n > 1),
+                )
+            )
+            return batch
+
+        engine.scheduler.schedule = recording
+        for i in range(2):
+            engine.add_request(f"r{i}", prompts[i], params)
+        engine.step()  # both prompts prefilled: the next steps decode them
+        for i in range(2, 5):
+            engine.add_request(f"r{i}", prompts[i], params)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outputs.append(done)
+        largest.append(max(p for d, p in steps if d))
+    assert largest[0] == 128  # capped beside decodes
+    assert largest[1] > 128  # without the cap, the waiting prompts share one step
+    assert outputs[0] == outputs[1]

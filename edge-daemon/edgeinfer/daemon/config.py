@@ -68,6 +68,7 @@ class DaemonConfig:
     num_kv_blocks: int | None = EngineConfig.num_kv_blocks
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    max_prefill_tokens_with_decodes: int = EngineConfig.max_prefill_tokens_with_decodes
     block_size: int = EngineConfig.block_size
     max_model_len: int | None = EngineConfig.max_model_len
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
@@ -169,6 +170,7 @@ class DaemonConfig:
                 num_kv_blocks=self.num_kv_blocks,
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
+                max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_threads=self.engine_threads(),

@@ -29,6 +29,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the byte budget (tests, benchmarks)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # The most prompt tokens a step may prefill while it also decodes (chunked prefill only;
+    # 0: max_num_batched_tokens). A step's time grows with its prefill tokens and every
+    # decoding stream waits for the step: the cap bounds that stall (Sarathi-Serve's
+    # stall-free batching), and arrivals that land together get their first tokens in turn
+    # instead of all after the longest combined step.
+    max_prefill_tokens_with_decodes: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -53,6 +59,11 @@ class EngineConfig:
             raise EngineError(
                 f"max_num_batched_tokens must be >= block_size ({self.block_size}), "
                 f"got {self.max_num_batched_tokens}"
+            )
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise EngineError(
+                "max_prefill_tokens_with_decodes must be >= 0, "
+                f"got {self.max_prefill_tokens_with_decodes}"
             )
         for name in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, name) < 1:

@@ -2,7 +2,9 @@
 
 One unified policy (as in vLLM v1): every step has a token budget. Running sequences go first
 (a decode needs one token, an unfinished prefill takes the next chunk), then waiting ones are
-admitted FCFS while budget, blocks and the running cap allow. When blocks run out, the most
+admitted FCFS while budget, blocks and the running cap allow. A step that decodes prefills at
+most ``max_prefill_tokens_with_decodes`` prompt tokens, so no decoding stream waits behind a
+long prefill step (with chunked prefill; 0 lifts the cap). When blocks run out, the most
 recently admitted running sequence is preempted: its blocks are freed and it is recomputed
 later (its cached prefix usually survives), so a full pool never crashes and never changes an
 answer.
@@ -40,11 +42,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        max_prefill_tokens_with_decodes: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -70,11 +74,25 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        # Prompt tokens this step may still prefill (the cap applies once anything decodes).
+        prefill_budget = budget
+        cap = self.max_prefill_tokens_with_decodes
+        if (
+            cap
+            and self.enable_chunked_prefill
+            and any(s.num_uncomputed_tokens == 1 for s in self.running)
+        ):
+            prefill_budget = cap
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget)
+            if n > 1:
+                n = min(n, prefill_budget)
+                if n == 0:
+                    i += 1  # its next chunk waits for a step with prefill budget left
+                    continue
             while not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -84,19 +102,21 @@ class Scheduler:
                 bm.allocate(seq, seq.num_computed_tokens + n)
                 batch.entries.append((seq, n))
                 budget -= n
+                if n > 1:
+                    prefill_budget -= n
                 i += 1
                 continue
             break  # ``seq`` itself was preempted; everything after it already was too
 
         # Admitting new work right after a preemption would only thrash the pool.
-        while self.waiting and budget > 0 and not batch.preempted:
+        while self.waiting and min(budget, prefill_budget) > 0 and not batch.preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
             # Keep one token uncomputed: the model must run to produce the next token.
             cached = bm.match_prefix(seq, max_tokens=seq.num_tokens - 1)
             computed = len(cached) * bm.block_size
-            n = min(seq.num_tokens - computed, budget)
+            n = min(seq.num_tokens - computed, budget, prefill_budget)
             if n < seq.num_tokens - computed and not self.enable_chunked_prefill:
                 if batch.entries:
                     break  # a whole prompt must fit one step; wait for an emptier one
@@ -112,6 +132,7 @@ class Scheduler:
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
+            prefill_budget -= n
         return batch
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
