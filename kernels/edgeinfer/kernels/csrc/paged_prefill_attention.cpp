@@ -4,11 +4,12 @@
 // for a fresh prompt, a later chunk of a long one and a prefix-cache hit.
 //
 // Built like paged_decode_attention.cpp (see native_build.py) and run on torch's OpenMP threads.
-// Work units are (KV head, block of kRows query tokens); a unit's H / Hkv query heads share every
-// key page it reads. Keys go a page at a time through an online softmax (flash attention): the
-// page's keys are transposed into a [D, page] tile so that one query row's scores against the
-// page are D vector FMAs over the page's keys, no horizontal sums, and four query rows share
-// each tile load.
+// Each call first stages the sequence's keys and values once in float32, per KV head, keys
+// transposed to [D, keys]. Work units are then (KV head, block of kRows query tokens), the
+// latest blocks (the most keys) handed out first; a unit's H / Hkv query heads share every key
+// it reads. Keys go kKeys at a time through an online softmax (flash attention): one query
+// row's scores against a tile are D vector FMAs over the tile's keys, no horizontal sums, and
+// four query rows share each load of the tile.
 
 #include <algorithm>
 #include <cmath>
@@ -19,10 +20,10 @@
 
 namespace {
 
-constexpr int64_t kMaxDim = 256;
-constexpr int64_t kRows = 32;   // query tokens per unit
-constexpr int64_t kKeys = 64;   // keys per tile of the online softmax
-constexpr float kMasked = -1e30f;      // a score that exp() takes to 0 (no infinities: fast-math)
+constexpr int64_t kMaxDim = 256;   // head size accepted (checked by the caller)
+constexpr int64_t kRows = 32;      // query tokens per unit
+constexpr int64_t kKeys = 64;      // keys per tile of the online softmax
+constexpr float kMasked = -1e30f;  // a score that exp() takes to 0 (no infinities: fast-math)
 
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) {
