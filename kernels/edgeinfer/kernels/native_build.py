@@ -4,7 +4,7 @@ Why not ``torch.utils.cpp_extension``: its builds include torch's headers (tens 
 kernel, a ninja dependency) for kernels that need none of them. These are plain functions over
 raw pointers: ``g++`` builds one in about a second. The library is compiled for this CPU
 (``-march=native``), with OpenMP, and cached under ``<cache dir>/kernels`` by a hash of its
-source, the flags, the compiler's version and the CPU's feature flags, so a host with a
+source and the folder's headers, the flags, the compiler's version and the CPU's feature flags, so a host with a
 different CPU or compiler never loads a stale build.
 
 OpenMP: the library needs ``libgomp.so.1``, the soname of the copy torch bundles and has
@@ -75,13 +75,14 @@ def _host_fingerprint(cxx: str) -> str:
 
 
 def build(name: str) -> Path:
-    """Compile ``csrc/<name>.cpp`` (once per source, flags, compiler and CPU); the library."""
+    """Compile ``csrc/<name>.cpp`` (once per source and headers, flags, compiler and CPU); the
+    library."""
     cxx = compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler (g++ or $CXX) on PATH")
     source = CSRC / f"{name}.cpp"
     digest = hashlib.sha256(
-        source.read_bytes()
+        b"".join(f.read_bytes() for f in (source, *sorted(CSRC.glob("*.h"))))  # with its headers
         + " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
         + _host_fingerprint(cxx).encode()
     ).hexdigest()[:16]

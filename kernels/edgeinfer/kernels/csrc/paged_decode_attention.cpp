@@ -17,27 +17,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <omp.h>
+
+#include "cpu_dtypes.h"
 
 namespace {
 
-constexpr int64_t kMaxDim = 256;  // head size (stack rows of one K or V head)
+using edgeinfer::narrow;
+using edgeinfer::widen;
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {  // bfloat16 bits: the high half of the float32
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void narrow(float x, float* dst) { *dst = x; }
-inline void narrow(float x, uint16_t* dst) {  // round to nearest even, as torch casts
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  *dst = uint16_t(u >> 16);
-}
+constexpr int64_t kMaxDim = 256;  // head size (stack rows of one K or V head)
 
 struct Problem {
   const void* q;  // [B, H, D], rows strided, D contiguous

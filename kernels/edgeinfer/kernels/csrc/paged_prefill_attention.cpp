@@ -15,30 +15,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <omp.h>
 
+#include "cpu_dtypes.h"
+
 namespace {
+
+using edgeinfer::narrow;
+using edgeinfer::widen;
 
 constexpr int64_t kMaxDim = 256;   // head size accepted (checked by the caller)
 constexpr int64_t kRows = 32;      // query tokens per unit
 constexpr int64_t kKeys = 64;      // keys per tile of the online softmax
 constexpr float kMasked = -1e30f;  // a score that exp() takes to 0 (no infinities: fast-math)
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void narrow(float x, float* dst) { *dst = x; }
-inline void narrow(float x, uint16_t* dst) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  *dst = uint16_t(u >> 16);
-}
 
 struct Problem {
   const void* q;  // [T, H, D], rows strided, D contiguous
@@ -113,38 +102,25 @@ inline void tile_scores(const float* __restrict__ q, const float* __restrict__ k
 }
 
 // o[i] = o[i] * alpha[i] + sum_j p[i][j] v[j] for rows [r0, r0 + R): R output rows held in
-// registers while each value row is loaded once.
+// registers (for a head size known at compile time) while each value row is loaded once.
 template <int64_t R, int64_t D>
 inline void tile_values(const float* __restrict__ p, const float* __restrict__ v,
                         const float* __restrict__ alpha, float* __restrict__ o, int64_t n,
                         int64_t dim_rt) {
   const int64_t dim = D ? D : dim_rt;
-  if (D) {
-    float acc[R][D ? D : 1];
-    for (int64_t i = 0; i < R; ++i)
-      for (int64_t d = 0; d < D; ++d) acc[i][d] = o[i * D + d] * alpha[i];
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vj = v + j * D;
-      for (int64_t i = 0; i < R; ++i) {
-        const float pj = p[i * kKeys + j];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[i][d] += pj * vj[d];
-      }
-    }
-    for (int64_t i = 0; i < R; ++i)
-      for (int64_t d = 0; d < D; ++d) o[i * D + d] = acc[i][d];
-    return;
-  }
-  for (int64_t i = 0; i < R; ++i) {
-    float* oi = o + i * dim;
-    for (int64_t d = 0; d < dim; ++d) oi[d] *= alpha[i];
-    for (int64_t j = 0; j < n; ++j) {
+  float acc[R][D ? D : kMaxDim];
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t d = 0; d < dim; ++d) acc[i][d] = o[i * dim + d] * alpha[i];
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + j * dim;
+    for (int64_t i = 0; i < R; ++i) {
       const float pj = p[i * kKeys + j];
-      const float* vj = v + j * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) oi[d] += pj * vj[d];
+      for (int64_t d = 0; d < dim; ++d) acc[i][d] += pj * vj[d];
     }
   }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t d = 0; d < dim; ++d) o[i * dim + d] = acc[i][d];
 }
 
 // Rows r of the unit are (query token i = r / fold, head f = r % fold). kt [D, ld] and v
