@@ -15,7 +15,7 @@ from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
-from edgeinfer.kernels import native_build
+from edgeinfer.kernels import decoder_pointwise, native_build, skinny_gemm
 from edgeinfer.kernels import paged_attention_native as native
 from edgeinfer.kernels.cpu_features import native_bf16
 from engine_helpers import assert_matches, hf_greedy, random_prompts
@@ -103,6 +103,33 @@ def test_native_decode_rejects_what_it_cannot_take():
         native.paged_decode_attention_native(
             q, k_cache, v_cache, tables, lens, 0.25, torch.empty(2, 4, 32)[..., :16]
         )
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepared_decode_serves_every_layer_of_a_step(dtype):
+    # One step's tables checked once, then run over each layer's own caches and queries.
+    layers = [make_cache(LENGTHS, 2, 64, 16, dtype, seed=i) for i in range(3)]
+    tables, lens = layers[0][2], layers[0][3]
+    for _, _, t, n in layers[1:]:
+        t.copy_(tables)
+        n.copy_(lens)
+    prepared = native.PreparedDecode(tables, lens, layers[0][0].shape, dtype, heads=6)
+    for k_cache, v_cache, _, _ in layers:
+        q = torch.randn(len(LENGTHS), 6, 64).to(dtype)
+        out = torch.empty_like(q)
+        assert prepared(q, k_cache, v_cache, 0.125, out) is out
+        expected = native.paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125)
+        assert torch.equal(out, expected)
+    k_cache, v_cache = layers[0][0], layers[0][1]
+    with pytest.raises(ValueError, match="does not fit the prepared step"):
+        prepared(torch.randn(len(LENGTHS), 4, 64).to(dtype), k_cache, v_cache, 0.125)
+    with pytest.raises(ValueError, match="does not fit the prepared step"):
+        prepared(q, k_cache[:-1], v_cache[:-1], 0.125)
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        native.PreparedDecode(bad, lens, k_cache.shape, dtype, heads=6)
 
 
 @needs_compiler
@@ -206,6 +233,9 @@ def test_engine_without_the_native_kernel_matches_hf(tmp_path, monkeypatch):
     # token for token with HF.
     monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(native, "supports", lambda q, k_cache: False)
+    # ... and torch's pointwise ops, oneDNN for every projection.
+    monkeypatch.setattr(decoder_pointwise, "supports", lambda x: False)
+    monkeypatch.setattr(skinny_gemm, "supports_weight", lambda weight: False)
     assert not cpu_attention.prefill_in_place(torch.zeros(4, 2, 16), torch.zeros(1, 16, 1, 16), 0)
     assert not cpu_attention.decode_in_place(torch.float32, 64)
     assert cpu_attention.decode_in_place(torch.float32, 512)

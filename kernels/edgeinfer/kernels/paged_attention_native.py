@@ -164,6 +164,81 @@ def _output(q: Tensor, out: Tensor | None) -> Tensor:
     return out
 
 
+class PreparedDecode:
+    """One step's decode attention, checked once for every layer that runs it.
+
+    The block tables and context lengths are the same in every layer of a step; only q, the
+    layer's caches and the output change. Checking the tables (every page inside the cache)
+    and building the kernel's arguments once saves ~13 us per layer against
+    :func:`paged_decode_attention_native`, ~0.4 ms of a SmolLM2 decode step of one sequence.
+    """
+
+    def __init__(
+        self,
+        block_tables: Tensor,  # [B, max_blocks] int32
+        context_lens: Tensor,  # [B] int32, cached tokens including the new one; 0: a zero row
+        cache_shape: tuple[int, ...],  # [num_blocks, block_size, Hkv, D] of every layer's caches
+        dtype: torch.dtype,
+        heads: int,
+    ) -> None:
+        kernel = _decode_kernel()
+        if kernel is None:
+            raise RuntimeError("the native attention kernels are not available on this host")
+        if len(cache_shape) != 4 or dtype not in _DTYPES:
+            raise ValueError(f"caches {tuple(cache_shape)} {dtype} are not float32/bf16 pages")
+        num_blocks, page, kv_heads, head_dim = cache_shape
+        if heads % kv_heads or head_dim > kernel.max_dim:
+            raise ValueError(
+                f"{heads} query heads over {kv_heads} KV heads of {head_dim} dims: the kernel "
+                f"takes whole groups of heads of at most {kernel.max_dim} dims"
+            )
+        batch = block_tables.shape[0]
+        if context_lens.shape != (batch,):
+            raise ValueError("block_tables and context_lens need one row per query")
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        if batch and int(lens.numpy().max()) > tables.shape[1] * page:
+            raise ValueError("a context length exceeds its block table")
+        _check_blocks(tables, num_blocks)
+        self._kernel, self._entry = kernel, kernel.entry[dtype]
+        self._tables, self._lens = tables, lens  # the problem points into them
+        self._cache_shape = torch.Size(cache_shape)
+        self._q_shape = torch.Size((batch, heads, head_dim))
+        self._dtype = dtype
+        self._problem = _DecodeProblem(
+            0, 0, 0, 0, 0, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            batch, heads, kv_heads, head_dim, page, MIN_SPLIT_KEYS, 0.0, 0,
+        )  # fmt: skip
+
+    def __call__(
+        self,
+        q: Tensor,  # [B, H, D]
+        k_cache: Tensor,  # one layer's [num_blocks, block_size, Hkv, D]
+        v_cache: Tensor,
+        scale: float,
+        out: Tensor | None = None,  # [B, H, D] contiguous, receives the result when given
+    ) -> Tensor:
+        if q.shape != self._q_shape or q.dtype != self._dtype or q.device.type != "cpu":
+            raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit the prepared step")
+        for cache in (k_cache, v_cache):
+            if cache.shape != self._cache_shape or cache.dtype != self._dtype:
+                raise ValueError(f"cache {tuple(cache.shape)} does not fit the prepared step")
+            if not cache.is_contiguous() or cache.device.type != "cpu":
+                raise ValueError("the K/V caches must be contiguous CPU tensors")
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = _output(q, out)
+        if not self._q_shape[0]:
+            return out
+        p = self._problem
+        p.q, p.q_stride_b, p.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
+        p.k_cache, p.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        p.scale, p.out = scale, out.data_ptr()
+        if self._entry(ctypes.byref(p), torch.get_num_threads()):
+            raise MemoryError("the native decode-attention kernel could not allocate its scratch")
+        return out
+
+
 def paged_decode_attention_native(
     q: Tensor,  # [B, H, D]
     k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -174,31 +249,11 @@ def paged_decode_attention_native(
     out: Tensor | None = None,  # [B, H, D] contiguous, receives the result when given
 ) -> Tensor:
     """Same contract as ``paged_decode_attention_ref`` for float32 or bfloat16 CPU tensors."""
-    kernel = _check(_decode_kernel(), q, k_cache, v_cache)
-    batch, heads, head_dim = q.shape
-    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
+    _check(_decode_kernel(), q, k_cache, v_cache)
+    if block_tables.shape[0] != q.shape[0]:
         raise ValueError("block_tables and context_lens need one row per query")
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    page = k_cache.shape[1]
-    if batch and int(lens.numpy().max()) > tables.shape[1] * page:
-        raise ValueError("a context length exceeds its block table")
-    _check_blocks(tables, k_cache.shape[0])
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    out = _output(q, out)
-    if batch == 0:
-        return out
-    problem = _DecodeProblem(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(),
-        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        batch, heads, k_cache.shape[2], head_dim, page, MIN_SPLIT_KEYS,
-        scale, out.data_ptr(),
-    )  # fmt: skip
-    if kernel.entry[q.dtype](ctypes.byref(problem), torch.get_num_threads()):
-        raise MemoryError("the native decode-attention kernel could not allocate its scratch")
-    return out
+    prepared = PreparedDecode(block_tables, context_lens, k_cache.shape, q.dtype, q.shape[1])
+    return prepared(q, k_cache, v_cache, scale, out)
 
 
 def paged_prefill_attention_native(

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edgeinfer.daemon.engine.cpu_attention import prepare_native_decode
 from edgeinfer.kernels.paged_attention_cpu import DecodePlan
+from edgeinfer.kernels.paged_attention_native import PreparedDecode
 
 
 @dataclass
@@ -34,3 +36,16 @@ class AttentionMetadata:
     # CPU float32/bf16: a kernel reads K/V in their pages, no plan needed (see cpu_attention.py).
     decode_in_place: bool = False
     prefills: list[PrefillSegment] = field(default_factory=list)
+    _native_decode: PreparedDecode | None = field(default=None, init=False, repr=False)
+    _native_checked: bool = field(default=False, init=False, repr=False)
+
+    def native_decode(self, heads: int, k_cache: torch.Tensor) -> PreparedDecode | None:
+        """In place decode attention compiled for these caches, its tables checked once for
+        every layer of the step (the first layer prepares it); None where the compiled kernel
+        does not take them."""
+        if not self._native_checked:
+            tables, lens = self.decode_block_tables, self.decode_context_lens
+            if self.decode_in_place and tables is not None and lens is not None:
+                self._native_decode = prepare_native_decode(tables, lens, k_cache, heads)
+            self._native_checked = True
+        return self._native_decode

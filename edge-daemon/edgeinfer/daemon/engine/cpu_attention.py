@@ -43,6 +43,20 @@ def decode_in_place(dtype: torch.dtype, kv_values: int) -> bool:
     return native.available() or kv_values >= IN_PLACE_MIN_KV_VALUES
 
 
+def prepare_native_decode(
+    block_tables: Tensor,  # [B, max_blocks] int32
+    context_lens: Tensor,  # [B] int32
+    k_cache: Tensor,  # one layer's [num_blocks, block_size, Hkv, D]; all layers alike
+    heads: int,
+) -> native.PreparedDecode | None:
+    """The step's compiled decode attention for every layer, or None where it does not take
+    this cache (numba's kernel then serves, layer by layer)."""
+    probe = k_cache.new_empty(0, heads, k_cache.shape[-1])
+    if not native.supports(probe, k_cache):
+        return None
+    return native.PreparedDecode(block_tables, context_lens, k_cache.shape, k_cache.dtype, heads)
+
+
 def paged_decode_attention_in_place(
     q: Tensor,  # [B, H, D]
     k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]

@@ -13,6 +13,12 @@ projections. A packed weight is an opaque ``mkldnn`` tensor that only :func:`lin
 bfloat16 weights are packed too where the CPU has bf16 dot products (AVX512-BF16 or AMX):
 there a whole SmolLM2 decode step's projections at 8 tokens took 10.5 ms against 18.1 ms in
 packed float32, and a 256-token prefill chunk's 81 ms against 186 ms (2 EPYC cores).
+
+float32 steps of one or two rows (decode of one or two sequences) run on
+:mod:`~edgeinfer.kernels.skinny_gemm` instead, which streams a plain weight closer to the
+memory's read bandwidth than oneDNN's matmul does; such weights are then held twice, plain and
+packed (``EDGEINFER_NATIVE_KERNELS=0`` keeps only the packed copy). bfloat16 stays on oneDNN,
+whose bf16 dot products already read faster than that kernel's widening loads.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.kernels import skinny_gemm
 from edgeinfer.kernels.cpu_features import native_bf16
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -46,9 +53,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The plain weight :func:`linear` should keep beside a packed one for steps of at most
+    ``skinny_gemm.MAX_ROWS`` rows, or None where that kernel does not serve it."""
+    if weight.dtype != torch.float32 or not skinny_gemm.supports_weight(weight):
+        return None
+    return weight.detach()
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    plain: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` and ``weight [out, in]`` (or :func:`pack` of
-    it)."""
+    it); ``plain`` is :func:`skinny_copy` of the weight, used for steps of a row or two."""
+    if plain is not None and x.numel() <= skinny_gemm.MAX_ROWS * x.shape[-1]:
+        return skinny_gemm.skinny_linear(x, plain, bias)
     # oneDNN takes a packed weight, and a plain one where it would have been packed.
     if x.dtype == weight.dtype and (weight.is_mkldnn or can_pack(weight)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -59,15 +81,20 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and checkpoint names) computed by :func:`linear`."""
 
     packed: torch.Tensor | None = None
+    plain: torch.Tensor | None = None  # skinny_copy(weight) while packed
 
     def pack(self, *, keep_weight: bool = False) -> None:
         """Compute with a packed copy of the weight (no-op where :func:`can_pack` is False);
-        the parameter is emptied unless ``keep_weight`` (a weight shared with another module)."""
+        the parameter is emptied unless ``keep_weight`` (a weight shared with another module)
+        or :func:`skinny_copy` keeps it for steps of a row or two."""
         if not can_pack(self.weight):
             return
         self.packed = pack(self.weight)
-        if not keep_weight:
+        self.plain = skinny_copy(self.weight)
+        if not keep_weight and self.plain is None:
             self.weight.data = self.weight.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight if self.packed is None else self.packed, self.bias)
+        if self.packed is None:
+            return linear(x, self.weight, self.bias)
+        return linear(x, self.packed, self.bias, self.plain)

@@ -18,9 +18,10 @@ from torch import nn
 from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
 from edgeinfer.daemon.engine.cpu_attention import paged_decode_attention_in_place, prefill_in_place
 from edgeinfer.daemon.engine.kv_cache import KVCache
-from edgeinfer.daemon.engine.linear import Linear, can_pack, linear, pack
+from edgeinfer.daemon.engine.linear import Linear, can_pack, linear, pack, skinny_copy
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding, Rotation
+from edgeinfer.kernels import decoder_pointwise
 from edgeinfer.kernels.paged_attention import decode_attention, paged_prefill_attention_ref
 from edgeinfer.kernels.paged_attention_cpu import (
     paged_decode_attention_cpu,
@@ -37,6 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if decoder_pointwise.supports(x):  # one compiled pass, rounded as below
+            return decoder_pointwise.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # The same ops as below in one call (bit-identical): less dispatch per token.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -44,6 +47,15 @@ class RMSNorm(nn.Module):
         # op normalises exactly like its mean/rsqrt (float32 is bit-identical, see above).
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, forward(x + delta))``: a residual add and the norm after it."""
+        if decoder_pointwise.supports(x):
+            return decoder_pointwise.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self.forward(total)
 
 
 class FusedProjection(nn.Module):
@@ -63,6 +75,7 @@ class FusedProjection(nn.Module):
         self._projections = list(projections)
         self.weight: torch.Tensor | None = None  # [sum(out), in]
         self.bias: torch.Tensor | None = None  # [sum(out)]
+        self.plain: torch.Tensor | None = None  # skinny_copy of the weight, once packed
         self.sizes = [p.out_features for p in projections]
 
     def fuse(self) -> None:
@@ -77,13 +90,15 @@ class FusedProjection(nn.Module):
 
     def unfuse(self) -> None:
         """Drop the stacked tensors (call after the parameters were given other storage)."""
-        self.weight = self.bias = None
+        self.weight = self.bias = self.plain = None
 
     def pack(self) -> None:
-        """Keep the fused weight only in oneDNN's packed layout (see :func:`linear.pack`); the
-        parameters are emptied. A no-op unless fused and :func:`linear.can_pack`."""
+        """Keep the fused weight in oneDNN's packed layout (see :func:`linear.pack`), and plain
+        only where :func:`linear.skinny_copy` wants it; the parameters are emptied. A no-op
+        unless fused and :func:`linear.can_pack`."""
         if self.weight is None or not can_pack(self.weight):
             return
+        self.plain = skinny_copy(self.weight)
         self.weight = pack(self.weight)
         for p in self._projections:
             p.weight.data = p.weight.new_empty(0)
@@ -92,7 +107,7 @@ class FusedProjection(nn.Module):
         """``[..., sum(out)]``: the projections side by side, in their order."""
         if self.weight is None:
             return torch.cat([p(x) for p in self._projections], dim=-1)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.plain)
 
 
 class Attention(nn.Module):
@@ -126,10 +141,10 @@ class Attention(nn.Module):
         qkv = self.qkv.forward(x).view(t, h + 2 * hkv, d)  # heads of q, then k, then v
         v = qkv[:, h + hkv :]
         if self.q_norm is not None and self.k_norm is not None:
-            q = rot.apply(self.q_norm.forward(qkv[:, :h]))
-            k = rot.apply(self.k_norm.forward(qkv[:, h : h + hkv]))
+            q = rot.rotated(self.q_norm.forward(qkv[:, :h]))
+            k = rot.rotated(self.k_norm.forward(qkv[:, h : h + hkv]))
         else:
-            qk = rot.apply(qkv[:, : h + hkv])  # q and k rotate together: [T, H + Hkv, D]
+            qk = rot.rotated(qkv[:, : h + hkv])  # q and k rotate together: [T, H + Hkv, D]
             q, k = qk[:, :h], qk[:, h:]
 
         flat_k = k_cache.view(-1, hkv, d)
@@ -141,7 +156,10 @@ class Attention(nn.Module):
         nd = meta.num_decode_tokens
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if nd and tables is not None and lens is not None:
-            if meta.decode_in_place:
+            prepared = meta.native_decode(h, k_cache) if meta.decode_in_place else None
+            if prepared is not None:
+                prepared(q[:nd], k_cache, v_cache, self.scale, out[:nd])
+            elif meta.decode_in_place:
                 paged_decode_attention_in_place(
                     q[:nd], k_cache, v_cache, tables, lens, self.scale, out[:nd]
                 )
@@ -199,7 +217,10 @@ class MLP(nn.Module):
         self.gate_up = FusedProjection(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up.forward(x).chunk(2, dim=-1)
+        gate_up = self.gate_up.forward(x)  # [T, 2 * intermediate]: gate, then up
+        if decoder_pointwise.supports(gate_up):
+            return self.down_proj.forward(decoder_pointwise.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.forward(F.silu(gate).mul_(up))
 
 
@@ -221,8 +242,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # Submodules run through ``forward``: ``nn.Module.__call__`` costs microseconds per
         # call (10 per layer per step) and only whole layers carry hooks (compressed_weights).
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rot, meta, k_cache, v_cache)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        attn = self.self_attn.forward(self.input_layernorm.forward(x), rot, meta, k_cache, v_cache)
+        x, normed = self.post_attention_layernorm.add_forward(x, attn)
+        return x + self.mlp.forward(normed)
 
     def fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up (see :class:`FusedProjection`)."""

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from edgeinfer.daemon.engine.model_config import ModelConfig
+from edgeinfer.kernels import decoder_pointwise
 
 # The cache starts at this many positions (or max_position_embeddings if smaller) and doubles.
 _INITIAL_CACHE = 4096
@@ -178,3 +179,10 @@ class Rotation:
         """Rotate ``x [T, H, D]``."""
         rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)  # cat(x2, x1)
         return x * self.cos + rolled * self.signed_sin
+
+    def rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply`, in place where the compiled kernel takes ``x`` (on the CPU): for a
+        step's fresh q/k projections, which nothing else reads unrotated."""
+        if decoder_pointwise.supports(x) and x.stride(-1) == 1:
+            return decoder_pointwise.rotate_(x, self.cos, self.signed_sin)
+        return self.apply(x)
