@@ -17,7 +17,6 @@ from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
 from edgeinfer.kernels import decoder_pointwise, native_build, skinny_gemm
 from edgeinfer.kernels import paged_attention_native as native
-from edgeinfer.kernels.cpu_features import native_bf16
 from engine_helpers import assert_matches, hf_greedy, random_prompts
 from test_paged_attention import LENGTHS, check, make_cache, naive_attention, naive_decode
 
@@ -173,13 +172,10 @@ def test_native_prefill_writes_into_out_and_checks_its_table():
 def test_engine_prefill_choice():
     k_cache = torch.zeros(4, 16, 2, 64)
     q = torch.zeros(300, 6, 64)
-    assert cpu_attention.prefill_in_place(q, k_cache, 0)
-    assert cpu_attention.prefill_in_place(q, k_cache, 512)
-    assert not cpu_attention.prefill_in_place(q.half(), k_cache.half(), 0)
-    # bf16 after a prefix: oneDNN's bf16 matmuls where the CPU has bf16 dot products.
-    bf16_q, bf16_k = q.bfloat16(), k_cache.bfloat16()
-    assert cpu_attention.prefill_in_place(bf16_q, bf16_k, 0)
-    assert cpu_attention.prefill_in_place(bf16_q, bf16_k, 512) == (not native_bf16())
+    # float32 and bf16 caches take the compiled kernel, with or without a cached prefix.
+    assert cpu_attention.prefill_in_place(q, k_cache)
+    assert cpu_attention.prefill_in_place(q.bfloat16(), k_cache.bfloat16())
+    assert not cpu_attention.prefill_in_place(q.half(), k_cache.half())
 
 
 @needs_compiler
@@ -236,7 +232,7 @@ def test_engine_without_the_native_kernel_matches_hf(tmp_path, monkeypatch):
     # ... and torch's pointwise ops, oneDNN for every projection.
     monkeypatch.setattr(decoder_pointwise, "supports", lambda x: False)
     monkeypatch.setattr(skinny_gemm, "supports_weight", lambda weight: False)
-    assert not cpu_attention.prefill_in_place(torch.zeros(4, 2, 16), torch.zeros(1, 16, 1, 16), 0)
+    assert not cpu_attention.prefill_in_place(torch.zeros(4, 2, 16), torch.zeros(1, 16, 1, 16))
     assert not cpu_attention.decode_in_place(torch.float32, 64)
     assert cpu_attention.decode_in_place(torch.float32, 512)
     path = build_tiny_checkpoint(tmp_path / "ckpt")

@@ -171,7 +171,7 @@ class Attention(nn.Module):
                 out[:nd] = decode_attention(q[:nd], k_cache, v_cache, tables, lens, self.scale)
         for seg in meta.prefills:
             s, e = seg.start, seg.start + seg.length
-            if q.device.type == "cpu" and prefill_in_place(q[s:e], k_cache, seg.start_pos):
+            if q.device.type == "cpu" and prefill_in_place(q[s:e], k_cache):
                 paged_prefill_attention_native(
                     q[s:e], k_cache, v_cache, seg.block_table, seg.start_pos, self.scale, out[s:e]
                 )

@@ -27,7 +27,8 @@ using edgeinfer::widen;
 constexpr int64_t kMaxDim = 256;   // head size accepted (checked by the caller)
 constexpr int64_t kRows = 32;      // query tokens per unit
 constexpr int64_t kKeys = 64;      // keys per tile of the online softmax
-constexpr float kMasked = -1e30f;  // a score that exp() takes to 0 (no infinities: fast-math)
+constexpr float kMasked = -1e30f;  // the running max before any key (no infinities: fast-math)
+constexpr float kMinExp = -80.f;   // exp(-80) ~ 2e-35: still a normal float, no slow path
 
 struct Problem {
   const void* q;  // [T, H, D], rows strided, D contiguous
@@ -41,7 +42,7 @@ struct Problem {
 };
 
 // Scratch of one thread: queries [R, D], output accumulators [R, D], scores [R, kKeys], and
-// per row the running max, running sum and this tile's rescaling factor.
+// per row the running max, running sum, this tile's rescaling factor and visible keys.
 struct Scratch {
   float* q;
   float* o;
@@ -49,14 +50,16 @@ struct Scratch {
   float* m;
   float* l;
   float* alpha;
+  int64_t* limit;
   float* base;
   explicit Scratch(int64_t rows, int64_t dim) {
-    const int64_t n = 2 * rows * dim + rows * kKeys + 3 * rows;
+    const int64_t n = 2 * rows * dim + rows * kKeys + 5 * rows;  // limit: 2 floats' room each
     base = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * ((n + 15) / 16 * 16)));
     q = base;
     o = q + rows * dim;
     s = o + rows * dim;
-    m = s + rows * kKeys;
+    limit = reinterpret_cast<int64_t*>(s + rows * kKeys);  // 64-byte aligned: kKeys floats/row
+    m = reinterpret_cast<float*>(limit + rows);
     l = m + rows;
     alpha = l + rows;
   }
@@ -148,27 +151,30 @@ void attend_unit(const Problem& p, int64_t h, int64_t first, int64_t count, cons
     for (; r0 + 4 <= rows; r0 += 4)
       tile_scores<4, D>(w.q + r0 * dim, kt + k0, ld, w.s + r0 * kKeys, dim);
     for (; r0 < rows; ++r0) tile_scores<1, D>(w.q + r0 * dim, kt + k0, ld, w.s + r0 * kKeys, dim);
-    // Causal mask (and the tile's padding), the rows' new maxima and rescaling factors.
+    // The rows' new maxima over the keys they see (causal mask, the tile's padding) and their
+    // rescaling factors. exp() only ever sees arguments >= kMinExp: glibc's vector expf sends
+    // lanes that underflow to a scalar slow path, which took a quarter of the kernel's time
+    // when masked scores went in as -1e30. Masked keys get probability 0 explicitly.
     for (int64_t r = 0; r < rows; ++r) {
-      float* s = w.s + r * kKeys;
+      const float* s = w.s + r * kKeys;
       const int64_t limit = std::min(n, q_lo + r / fold + 1 - k0);  // keys this row sees
       float top = w.m[r];
-      for (int64_t j = 0; j < kKeys; ++j) {
-        if (j >= limit) s[j] = kMasked;
-        top = std::max(top, s[j]);
-      }
-      w.alpha[r] = w.m[r] - top;
+      for (int64_t j = 0; j < limit; ++j) top = std::max(top, s[j]);
+      w.alpha[r] = std::max(w.m[r] - top, kMinExp);
       w.m[r] = top;
+      w.limit[r] = limit;
     }
 #pragma omp simd
     for (int64_t r = 0; r < rows; ++r) w.alpha[r] = std::exp(w.alpha[r]);
     for (int64_t r = 0; r < rows; ++r) {
       float* s = w.s + r * kKeys;
       const float top = w.m[r];
+      const int64_t limit = w.limit[r];
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t j = 0; j < kKeys; ++j) {
-        s[j] = std::exp(s[j] - top);
+        const float e = std::exp(std::max(s[j] - top, kMinExp));
+        s[j] = j < limit ? e : 0.f;
         total += s[j];
       }
       w.l[r] = w.l[r] * w.alpha[r] + total;
