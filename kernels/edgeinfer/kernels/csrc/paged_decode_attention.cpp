@@ -27,6 +27,11 @@ using edgeinfer::narrow;
 using edgeinfer::widen;
 
 constexpr int64_t kMaxDim = 256;  // head size (stack rows of one K or V head)
+// Tokens ahead whose K or V row a unit prefetches. Pages lie in no particular order in the pool,
+// so the hardware prefetcher loses the stream at every page boundary; asking for the row one
+// page ahead halved the kernel's time (SmolLM2, 8 sequences of 310 tokens, float32: ~11 to
+// ~5-6 ms per step of 30 layers; bf16 ~7.8 to ~3.3 ms).
+constexpr int64_t kAhead = 16;
 
 struct Problem {
   const void* q;  // [B, H, D], rows strided, D contiguous
@@ -46,6 +51,20 @@ struct Problem {
 // all KV heads are adjacent in its page, so the unit streams through contiguous memory.
 // Leaves, per query head j, m[j] (max score), l[j] (sum of exp(score - m)) and acc[j][d]
 // (unnormalised output).
+// Token t's row of `row` elements (every KV head) in the paged cache.
+template <typename T>
+inline const T* token_row(const T* cache, const int32_t* table, int64_t page, int64_t row,
+                          int64_t t) {
+  return cache + (int64_t(table[t / page]) * page + t % page) * row;
+}
+
+template <typename T>
+inline void prefetch_row(const T* cache, const int32_t* table, int64_t page, int64_t row,
+                         int64_t t) {
+  const char* bytes = reinterpret_cast<const char*>(token_row(cache, table, page, row, t));
+  for (int64_t c = 0; c < int64_t(row * sizeof(T)); c += 64) __builtin_prefetch(bytes + c);
+}
+
 template <typename T, int64_t D>
 void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, float* qs, float* scores,
                   float* m, float* l, float* acc) {
@@ -63,7 +82,8 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, float* qs
 
   float kf[kMaxDim];
   for (int64_t t = t0; t < t1; ++t) {
-    const T* kr = k_cache + (int64_t(table[t / p.page]) * p.page + t % p.page) * row;
+    if (t + kAhead < t1) prefetch_row(k_cache, table, p.page, row, t + kAhead);
+    const T* kr = token_row(k_cache, table, p.page, row, t);
     for (int64_t h = 0; h < p.kv_heads; ++h) {
       for (int64_t d = 0; d < dim; ++d) kf[d] = widen(kr[h * dim + d]);
       for (int64_t f = 0; f < fold; ++f) {
@@ -91,7 +111,8 @@ void attend_range(const Problem& p, int64_t b, int64_t t0, int64_t t1, float* qs
   std::fill(acc, acc + p.heads * dim, 0.f);
   float vf[kMaxDim];
   for (int64_t t = t0; t < t1; ++t) {
-    const T* vr = v_cache + (int64_t(table[t / p.page]) * p.page + t % p.page) * row;
+    if (t + kAhead < t1) prefetch_row(v_cache, table, p.page, row, t + kAhead);
+    const T* vr = token_row(v_cache, table, p.page, row, t);
     for (int64_t h = 0; h < p.kv_heads; ++h) {
       for (int64_t d = 0; d < dim; ++d) vf[d] = widen(vr[h * dim + d]);
       for (int64_t f = 0; f < fold; ++f) {
