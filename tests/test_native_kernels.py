@@ -231,7 +231,7 @@ def test_engine_without_the_native_kernel_matches_hf(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "supports", lambda q, k_cache: False)
     # ... and torch's pointwise ops, oneDNN for every projection.
     monkeypatch.setattr(decoder_pointwise, "supports", lambda x: False)
-    monkeypatch.setattr(skinny_gemm, "supports_weight", lambda weight: False)
+    monkeypatch.setattr(skinny_gemm, "prepare", lambda weight: None)
     assert not cpu_attention.prefill_in_place(torch.zeros(4, 2, 16), torch.zeros(1, 16, 1, 16))
     assert not cpu_attention.decode_in_place(torch.float32, 64)
     assert cpu_attention.decode_in_place(torch.float32, 512)

@@ -1,46 +1,47 @@
 """``x @ weight.T + bias`` for a few rows of ``x``, compiled from C++ (``csrc/skinny_gemm.cpp``).
 
-A decode step of one or two sequences multiplies one or two activation rows into every weight
-of the model: the step is a stream through the weights, and its speed is the bandwidth that
-stream reaches. oneDNN's packed matmul reached ~30 GB/s on SmolLM2's projections (2 EPYC
-cores, float32) where a plain read of the same tensors reaches ~40; this kernel streams eight
-weight rows per thread and reached 33-43 GB/s at one row. At four rows and more the dot
-products, not the memory, bound the step and oneDNN's blocked kernels are faster, so callers
-use this one only up to :data:`MAX_ROWS` rows (``bench/cpu_kernels.py`` measures both).
+A decode step multiplies one row per sequence into every weight of the model: the step is a
+stream through the weights, and its speed is the bandwidth that stream reaches. On SmolLM2's
+projections (2 EPYC cores, float32) oneDNN's packed matmul read 20-30 GB/s at 1-8 rows, the
+smaller weights worst (a fixed ~40 us per call); this kernel keeps the weight in panels of 16
+outputs (``[ceil(out / 16), in, 16]``, made once by :func:`prepare`) and computes outer
+products over them, no horizontal sums, several panels streaming at once: 1.4x oneDNN at one
+row, 1.1x at eight (``bench/cpu_kernels.py``). Callers use it up to :func:`max_rows` rows.
 
-float32, or bfloat16 (input, weight, bias and output; products summed in float32 and
-rounded once). The weight must be a plain contiguous ``[out, in]`` tensor: oneDNN's packed
-layout is opaque.
+float32 only: bf16 weights stay on oneDNN, whose bf16 dot products read them faster.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from edgeinfer.kernels import native_build
 
-# Rows up to which the kernel beats oneDNN's packed matmul (see the module docstring).
-MAX_ROWS = 2
-_DTYPES = (torch.float32, torch.bfloat16)
+
+@dataclass(frozen=True)
+class SkinnyWeight:
+    """A ``[out, in]`` float32 weight laid out in panels for :func:`skinny_linear`."""
+
+    panels: Tensor  # [ceil(out / 16), in, 16], outputs past `out` zero
+    out_features: int
+    in_features: int
 
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.edgeinfer_skinny_max_rows.restype = ctypes.c_int64
-        lib.edgeinfer_skinny_max_in.restype = ctypes.c_int64
+        lib.edgeinfer_skinny_panel.restype = ctypes.c_int64
         self.max_rows = int(lib.edgeinfer_skinny_max_rows())
-        self.max_in = int(lib.edgeinfer_skinny_max_in())
-        self.entry = {}
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            fn = getattr(lib, f"edgeinfer_skinny_gemm_{suffix}")
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            self.entry[dtype] = fn
+        self.panel = int(lib.edgeinfer_skinny_panel())
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.gemm = lib.edgeinfer_skinny_gemm_f32
+        self.gemm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+        self.gemm.restype = ctypes.c_int
 
 
 @functools.cache
@@ -54,37 +55,46 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def supports_weight(weight: Tensor) -> bool:
-    """Whether the kernel can read ``weight`` (plain, contiguous, float32 or bfloat16, CPU)."""
+def max_rows() -> int:
+    """Rows of ``x`` one call takes (0 where the library did not build)."""
     kernel = _kernel()
-    return (
-        kernel is not None
-        and weight.device.type == "cpu"
-        and weight.dtype in _DTYPES
-        and weight.dim() == 2
-        and not weight.is_mkldnn
-        and weight.is_contiguous()
-        and 0 < weight.shape[1] <= kernel.max_in
-        and weight.shape[0] > 0
-    )
+    return 0 if kernel is None else kernel.max_rows
 
 
-def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x [..., in] @ weight.T + bias``, ``[..., out]``, for at most the library's maximum
-    rows (4) of ``x``, all tensors of one dtype (float32 or bfloat16) on the CPU."""
+def prepare(weight: Tensor) -> SkinnyWeight | None:
+    """``weight [out, in]`` (float32, CPU) in panels, or None where the kernel cannot take it."""
+    kernel = _kernel()
+    if (
+        kernel is None
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or weight.dim() != 2
+        or weight.is_mkldnn
+        or 0 in weight.shape
+    ):
+        return None
+    out_features, in_features = weight.shape
+    count = -(-out_features // kernel.panel)
+    padded = weight.detach().new_zeros(count * kernel.panel, in_features)
+    padded[:out_features] = weight.detach()
+    # [count, panel, in] -> [count, in, panel]: a panel's row k is its outputs' weights for input k
+    panels = padded.view(count, kernel.panel, in_features).transpose(1, 2).contiguous()
+    return SkinnyWeight(panels, out_features, in_features)
+
+
+def skinny_linear(x: Tensor, weight: SkinnyWeight, bias: Tensor | None = None) -> Tensor:
+    """``x [..., in] @ weight.T + bias``, ``[..., out]``, for at most :func:`max_rows` rows of
+    float32 ``x`` on the CPU."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the native skinny-GEMM kernel is not available on this host")
-    if not supports_weight(weight):
+    out_features, in_features = weight.out_features, weight.in_features
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1:] != (in_features,):
         raise ValueError(
-            f"the weight must be a contiguous 2-D float32 or bfloat16 CPU tensor with at most "
-            f"{kernel.max_in} columns, got {tuple(weight.shape)} {weight.dtype}"
+            f"x {tuple(x.shape)} {x.dtype} does not fit a float32 weight of {in_features} inputs"
         )
-    out_features, in_features = weight.shape
-    if x.dtype != weight.dtype or x.device.type != "cpu" or x.shape[-1:] != (in_features,):
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)}")
     if bias is not None and (
-        bias.shape != (out_features,) or bias.dtype != weight.dtype or not bias.is_contiguous()
+        bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()
     ):
         raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} does not fit the weight")
     rows = x.numel() // in_features
@@ -95,8 +105,8 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
         x2 = x2.contiguous()
     y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
     if rows:
-        kernel.entry[x.dtype](
-            x2.data_ptr(), x2.stride(0), weight.data_ptr(),
+        kernel.gemm(
+            x2.data_ptr(), x2.stride(0), weight.panels.data_ptr(),
             None if bias is None else bias.data_ptr(),
             rows, in_features, out_features, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip

@@ -14,11 +14,11 @@ bfloat16 weights are packed too where the CPU has bf16 dot products (AVX512-BF16
 there a whole SmolLM2 decode step's projections at 8 tokens took 10.5 ms against 18.1 ms in
 packed float32, and a 256-token prefill chunk's 81 ms against 186 ms (2 EPYC cores).
 
-float32 steps of one or two rows (decode of one or two sequences) run on
-:mod:`~edgeinfer.kernels.skinny_gemm` instead, which streams a plain weight closer to the
-memory's read bandwidth than oneDNN's matmul does; such weights are then held twice, plain and
-packed (``EDGEINFER_NATIVE_KERNELS=0`` keeps only the packed copy). bfloat16 stays on oneDNN,
-whose bf16 dot products already read faster than that kernel's widening loads.
+float32 steps of up to eight rows (decode of up to eight sequences) run on
+:mod:`~edgeinfer.kernels.skinny_gemm` instead, which streams a copy of the weight laid out in
+panels closer to the memory's read bandwidth than oneDNN's matmul does (1.1-1.4x on SmolLM2's
+projections): such weights are held twice, in panels and packed (``EDGEINFER_NATIVE_KERNELS=0``
+keeps only the packed copy). bf16 stays on oneDNN, whose bf16 dot products read faster.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 
 from edgeinfer.kernels import skinny_gemm
 from edgeinfer.kernels.cpu_features import native_bf16
+from edgeinfer.kernels.skinny_gemm import SkinnyWeight
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # The row count oneDNN tunes a packed layout for; any other count still works with it.
@@ -53,24 +54,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
 
 
-def skinny_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """The plain weight :func:`linear` should keep beside a packed one for steps of at most
-    ``skinny_gemm.MAX_ROWS`` rows, or None where that kernel does not serve it."""
-    if weight.dtype != torch.float32 or not skinny_gemm.supports_weight(weight):
-        return None
-    return weight.detach()
+def skinny_copy(weight: torch.Tensor) -> SkinnyWeight | None:
+    """The panel copy :func:`linear` keeps beside a packed float32 weight for steps of at most
+    ``skinny_gemm.max_rows()`` rows, or None where that kernel does not serve it."""
+    return skinny_gemm.prepare(weight)
 
 
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    plain: torch.Tensor | None = None,
+    skinny: SkinnyWeight | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` and ``weight [out, in]`` (or :func:`pack` of
-    it); ``plain`` is :func:`skinny_copy` of the weight, used for steps of a row or two."""
-    if plain is not None and x.numel() <= skinny_gemm.MAX_ROWS * x.shape[-1]:
-        return skinny_gemm.skinny_linear(x, plain, bias)
+    it); ``skinny`` is :func:`skinny_copy` of the weight, used for steps of a few rows."""
+    if skinny is not None and x.numel() <= skinny_gemm.max_rows() * x.shape[-1]:
+        return skinny_gemm.skinny_linear(x, skinny, bias)
     # oneDNN takes a packed weight, and a plain one where it would have been packed.
     if x.dtype == weight.dtype and (weight.is_mkldnn or can_pack(weight)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -81,20 +80,20 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and checkpoint names) computed by :func:`linear`."""
 
     packed: torch.Tensor | None = None
-    plain: torch.Tensor | None = None  # skinny_copy(weight) while packed
+    skinny: SkinnyWeight | None = None  # skinny_copy(weight) while packed
 
     def pack(self, *, keep_weight: bool = False) -> None:
-        """Compute with a packed copy of the weight (no-op where :func:`can_pack` is False);
-        the parameter is emptied unless ``keep_weight`` (a weight shared with another module)
-        or :func:`skinny_copy` keeps it for steps of a row or two."""
+        """Compute with a packed copy of the weight, and a :func:`skinny_copy` where it applies
+        (no-op where :func:`can_pack` is False); the parameter is emptied unless
+        ``keep_weight`` (a weight shared with another module)."""
         if not can_pack(self.weight):
             return
         self.packed = pack(self.weight)
-        self.plain = skinny_copy(self.weight)
-        if not keep_weight and self.plain is None:
+        self.skinny = skinny_copy(self.weight)
+        if not keep_weight:
             self.weight.data = self.weight.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return linear(x, self.weight, self.bias)
-        return linear(x, self.packed, self.bias, self.plain)
+        return linear(x, self.packed, self.bias, self.skinny)

@@ -29,6 +29,7 @@ from edgeinfer.kernels.paged_attention_cpu import (
     prefill_attention_cpu,
 )
 from edgeinfer.kernels.paged_attention_native import paged_prefill_attention_native
+from edgeinfer.kernels.skinny_gemm import SkinnyWeight
 
 
 class RMSNorm(nn.Module):
@@ -75,7 +76,7 @@ class FusedProjection(nn.Module):
         self._projections = list(projections)
         self.weight: torch.Tensor | None = None  # [sum(out), in]
         self.bias: torch.Tensor | None = None  # [sum(out)]
-        self.plain: torch.Tensor | None = None  # skinny_copy of the weight, once packed
+        self.skinny: SkinnyWeight | None = None  # skinny_copy of the weight, once packed
         self.sizes = [p.out_features for p in projections]
 
     def fuse(self) -> None:
@@ -90,15 +91,15 @@ class FusedProjection(nn.Module):
 
     def unfuse(self) -> None:
         """Drop the stacked tensors (call after the parameters were given other storage)."""
-        self.weight = self.bias = self.plain = None
+        self.weight = self.bias = self.skinny = None
 
     def pack(self) -> None:
-        """Keep the fused weight in oneDNN's packed layout (see :func:`linear.pack`), and plain
-        only where :func:`linear.skinny_copy` wants it; the parameters are emptied. A no-op
-        unless fused and :func:`linear.can_pack`."""
+        """Keep the fused weight in oneDNN's packed layout (see :func:`linear.pack`) and as
+        :func:`linear.skinny_copy` where it applies; the parameters are emptied. A no-op unless
+        fused and :func:`linear.can_pack`."""
         if self.weight is None or not can_pack(self.weight):
             return
-        self.plain = skinny_copy(self.weight)
+        self.skinny = skinny_copy(self.weight)
         self.weight = pack(self.weight)
         for p in self._projections:
             p.weight.data = p.weight.new_empty(0)
@@ -107,7 +108,7 @@ class FusedProjection(nn.Module):
         """``[..., sum(out)]``: the projections side by side, in their order."""
         if self.weight is None:
             return torch.cat([p(x) for p in self._projections], dim=-1)
-        return linear(x, self.weight, self.bias, self.plain)
+        return linear(x, self.weight, self.bias, self.skinny)
 
 
 class Attention(nn.Module):
