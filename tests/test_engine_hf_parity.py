@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from edgeinfer.daemon.engine import linear as linear_module
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
+from edgeinfer.kernels import skinny_gemm
 from engine_helpers import ARCHITECTURES, assert_matches, hf_greedy, make_checkpoint, random_prompts
 
 MAX_NEW = 10
@@ -52,6 +54,19 @@ def test_greedy_matches_hf(case, name):
         assert stats.num_preemptions > 0, "the small pool was meant to force preemption"
     assert stats.kv_blocks_used == 0 or engine.config.enable_prefix_caching
     assert stats.num_running == stats.num_waiting == 0
+
+
+def test_greedy_matches_hf_on_packed_and_skinny_weights(case, monkeypatch):
+    # The tiny checkpoints' weights are under oneDNN's size threshold; lifting it packs every
+    # projection, and with at most 8 sequences every decode step then takes skinny_gemm.
+    monkeypatch.setattr(linear_module, "ONEDNN_MIN_FLOAT32_WEIGHT", 0)
+    arch, path, _, prompts, refs = case
+    engine, outputs = _run(path, prompts, max_num_seqs=8)
+    if skinny_gemm.available() and linear_module.can_pack(torch.ones(1)):
+        layer = engine.runner.model.model.layers[0]
+        assert layer.mlp.gate_up.skinny is not None
+    for i, (got, ref) in enumerate(zip(outputs, refs)):
+        assert_matches(got, ref, f"{arch}/packed prompt {i} (len {len(prompts[i])})")
 
 
 def test_prefill_logits_match_hf(case):
