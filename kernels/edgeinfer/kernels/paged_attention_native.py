@@ -200,7 +200,7 @@ class PreparedDecode:
         if batch and int(lens.numpy().max()) > tables.shape[1] * page:
             raise ValueError("a context length exceeds its block table")
         _check_blocks(tables, num_blocks)
-        self._kernel, self._entry = kernel, kernel.entry[dtype]
+        self._entry = kernel.entry[dtype]
         self._tables, self._lens = tables, lens  # the problem points into them
         self._cache_shape = torch.Size(cache_shape)
         self._q_shape = torch.Size((batch, heads, head_dim))

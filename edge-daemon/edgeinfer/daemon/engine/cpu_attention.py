@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from edgeinfer.kernels import paged_attention_native as native
-from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba
 
 # Without the compiled kernel, from this many K+V values per cached token decode attention
 # skips the plan for numba's kernel: on 2 EPYC cores 0.5-0.8x the torch path's time on
@@ -50,28 +49,11 @@ def prepare_native_decode(
     heads: int,
 ) -> native.PreparedDecode | None:
     """The step's compiled decode attention for every layer, or None where it does not take
-    this cache (numba's kernel then serves, layer by layer)."""
+    this cache (numba's kernel, ``paged_decode_attention_numba``, then serves layer by layer)."""
     probe = k_cache.new_empty(0, heads, k_cache.shape[-1])
     if not native.supports(probe, k_cache):
         return None
     return native.PreparedDecode(block_tables, context_lens, k_cache.shape, k_cache.dtype, heads)
-
-
-def paged_decode_attention_in_place(
-    q: Tensor,  # [B, H, D]
-    k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: Tensor,
-    block_tables: Tensor,  # [B, max_blocks] int32
-    context_lens: Tensor,  # [B] int32
-    scale: float,
-    out: Tensor,  # [B, H, D]
-) -> Tensor:
-    """Decode attention with K/V read in their pages: compiled when it takes these shapes."""
-    if native.supports(q, k_cache) and out.is_contiguous():
-        return native.paged_decode_attention_native(
-            q, k_cache, v_cache, block_tables, context_lens, scale, out
-        )
-    return paged_decode_attention_numba(q, k_cache, v_cache, block_tables, context_lens, scale, out)
 
 
 def prefill_in_place(q: Tensor, k_cache: Tensor) -> bool:

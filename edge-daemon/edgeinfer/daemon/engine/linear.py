@@ -54,12 +54,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
 
 
-def skinny_copy(weight: torch.Tensor) -> SkinnyWeight | None:
-    """The panel copy :func:`linear` keeps beside a packed float32 weight for steps of at most
-    ``skinny_gemm.max_rows()`` rows, or None where that kernel does not serve it."""
-    return skinny_gemm.prepare(weight)
-
-
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -67,7 +61,7 @@ def linear(
     skinny: SkinnyWeight | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` and ``weight [out, in]`` (or :func:`pack` of
-    it); ``skinny`` is :func:`skinny_copy` of the weight, used for steps of a few rows."""
+    it); ``skinny`` is ``skinny_gemm.prepare`` of the weight, used for steps of a few rows."""
     if skinny is not None and x.numel() <= skinny_gemm.max_rows() * x.shape[-1]:
         return skinny_gemm.skinny_linear(x, skinny, bias)
     # oneDNN takes a packed weight, and a plain one where it would have been packed.
@@ -80,16 +74,16 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and checkpoint names) computed by :func:`linear`."""
 
     packed: torch.Tensor | None = None
-    skinny: SkinnyWeight | None = None  # skinny_copy(weight) while packed
+    skinny: SkinnyWeight | None = None  # skinny_gemm.prepare(weight) while packed
 
     def pack(self, *, keep_weight: bool = False) -> None:
-        """Compute with a packed copy of the weight, and a :func:`skinny_copy` where it applies
+        """Compute with a packed copy of the weight, and a ``skinny_gemm`` one where it applies
         (no-op where :func:`can_pack` is False); the parameter is emptied unless
         ``keep_weight`` (a weight shared with another module)."""
         if not can_pack(self.weight):
             return
         self.packed = pack(self.weight)
-        self.skinny = skinny_copy(self.weight)
+        self.skinny = skinny_gemm.prepare(self.weight)
         if not keep_weight:
             self.weight.data = self.weight.new_empty(0)
 

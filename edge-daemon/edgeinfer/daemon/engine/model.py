@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
-from edgeinfer.daemon.engine.cpu_attention import paged_decode_attention_in_place, prefill_in_place
+from edgeinfer.daemon.engine.cpu_attention import prefill_in_place
 from edgeinfer.daemon.engine.kv_cache import KVCache
-from edgeinfer.daemon.engine.linear import Linear, can_pack, linear, pack, skinny_copy
+from edgeinfer.daemon.engine.linear import Linear, can_pack, linear, pack
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding, Rotation
-from edgeinfer.kernels import decoder_pointwise
+from edgeinfer.kernels import decoder_pointwise, skinny_gemm
 from edgeinfer.kernels.paged_attention import decode_attention, paged_prefill_attention_ref
 from edgeinfer.kernels.paged_attention_cpu import (
     paged_decode_attention_cpu,
@@ -29,6 +29,7 @@ from edgeinfer.kernels.paged_attention_cpu import (
     prefill_attention_cpu,
 )
 from edgeinfer.kernels.paged_attention_native import paged_prefill_attention_native
+from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba
 from edgeinfer.kernels.skinny_gemm import SkinnyWeight
 
 
@@ -76,7 +77,7 @@ class FusedProjection(nn.Module):
         self._projections = list(projections)
         self.weight: torch.Tensor | None = None  # [sum(out), in]
         self.bias: torch.Tensor | None = None  # [sum(out)]
-        self.skinny: SkinnyWeight | None = None  # skinny_copy of the weight, once packed
+        self.skinny: SkinnyWeight | None = None  # the weight in skinny_gemm's panels, once packed
         self.sizes = [p.out_features for p in projections]
 
     def fuse(self) -> None:
@@ -95,11 +96,11 @@ class FusedProjection(nn.Module):
 
     def pack(self) -> None:
         """Keep the fused weight in oneDNN's packed layout (see :func:`linear.pack`) and as
-        :func:`linear.skinny_copy` where it applies; the parameters are emptied. A no-op unless
+        :func:`skinny_gemm.prepare` of it where that applies; the parameters are emptied. A no-op unless
         fused and :func:`linear.can_pack`."""
         if self.weight is None or not can_pack(self.weight):
             return
-        self.skinny = skinny_copy(self.weight)
+        self.skinny = skinny_gemm.prepare(self.weight)
         self.weight = pack(self.weight)
         for p in self._projections:
             p.weight.data = p.weight.new_empty(0)
@@ -160,8 +161,8 @@ class Attention(nn.Module):
             prepared = meta.native_decode(h, k_cache) if meta.decode_in_place else None
             if prepared is not None:
                 prepared(q[:nd], k_cache, v_cache, self.scale, out[:nd])
-            elif meta.decode_in_place:
-                paged_decode_attention_in_place(
+            elif meta.decode_in_place:  # the compiled kernel did not build: numba's
+                paged_decode_attention_numba(
                     q[:nd], k_cache, v_cache, tables, lens, self.scale, out[:nd]
                 )
             elif meta.decode_plan is not None:

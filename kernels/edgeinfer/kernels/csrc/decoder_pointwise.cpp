@@ -42,36 +42,27 @@ void norm_row(const float* row, const T* weight, float eps, int64_t cols, T* out
   for (int64_t c = 0; c < cols; ++c) narrow(widen(weight[c]) * rounded<T>(row[c] * inv), out + c);
 }
 
+// out = rms_norm(x), or with delta: sum = x + delta (rounded to T, as torch's add) and
+// out = rms_norm(sum).
 template <typename T>
-void rms_norm(const T* x, int64_t x_stride, const T* weight, float eps, int64_t rows,
-              int64_t cols, T* out, int threads) {
+void norm_rows(const T* x, int64_t x_stride, const T* delta, int64_t delta_stride,
+               const T* weight, float eps, int64_t rows, int64_t cols, T* sum, T* out,
+               int threads) {
   const int nt = rows * cols >= kParallelMin ? threads : 1;
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> row(cols);  // one row in float32, per thread
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) row[c] = widen(x[r * x_stride + c]);
-      norm_row(row.data(), weight, eps, cols, out + r * cols);
-    }
-  }
-}
-
-// sum = x + delta (rounded to T, as torch's add), out = rms_norm(sum).
-template <typename T>
-void add_rms_norm(const T* x, int64_t x_stride, const T* delta, int64_t delta_stride,
-                  const T* weight, float eps, int64_t rows, int64_t cols, T* sum, T* out,
-                  int threads) {
-  const int nt = rows * cols >= kParallelMin ? threads : 1;
-#pragma omp parallel num_threads(nt)
-  {
-    std::vector<float> row(cols);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      T* s = sum + r * cols;
-      for (int64_t c = 0; c < cols; ++c) {
-        narrow(widen(x[r * x_stride + c]) + widen(delta[r * delta_stride + c]), s + c);
-        row[c] = widen(s[c]);
+      const T* xr = x + r * x_stride;
+      if (delta) {
+        T* s = sum + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          narrow(widen(xr[c]) + widen(delta[r * delta_stride + c]), s + c);
+          row[c] = widen(s[c]);
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) row[c] = widen(xr[c]);
       }
       norm_row(row.data(), weight, eps, cols, out + r * cols);
     }
@@ -122,14 +113,13 @@ void silu_mul(const T* gate_up, int64_t stride, int64_t tokens, int64_t inter, T
 #define EDGEINFER_POINTWISE(SUFFIX, T)                                                        \
   void edgeinfer_rms_norm_##SUFFIX(const T* x, int64_t x_stride, const T* weight, float eps,  \
                                    int64_t rows, int64_t cols, T* out, int threads) {         \
-    rms_norm(x, x_stride, weight, eps, rows, cols, out, threads);                             \
+    norm_rows<T>(x, x_stride, nullptr, 0, weight, eps, rows, cols, nullptr, out, threads);    \
   }                                                                                           \
   void edgeinfer_add_rms_norm_##SUFFIX(const T* x, int64_t x_stride, const T* delta,          \
                                        int64_t delta_stride, const T* weight, float eps,      \
                                        int64_t rows, int64_t cols, T* sum, T* out,            \
                                        int threads) {                                         \
-    add_rms_norm(x, x_stride, delta, delta_stride, weight, eps, rows, cols, sum, out,         \
-                 threads);                                                                    \
+    norm_rows(x, x_stride, delta, delta_stride, weight, eps, rows, cols, sum, out, threads);  \
   }                                                                                           \
   void edgeinfer_rotate_##SUFFIX(T* x, int64_t stride_t, int64_t stride_h, int64_t tokens,    \
                                  int64_t heads, int64_t dim, const T* cos,                    \
