@@ -21,9 +21,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-logo
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy shared/edgeinfer/shared router/edgeinfer/router
+	$(VENV)/bin/mypy shared/edgeinfer/shared router/edgeinfer edge-daemon/edgeinfer/daemon kernels/edgeinfer/kernels
 
 pytest: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
@@ -34,7 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
 
 # Three PoPs in network namespaces behind delayed links (needs root and iproute2, else skips).
 .PHONY: netns-test

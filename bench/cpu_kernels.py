@@ -1,161 +1,172 @@
-"""The compiled CPU kernels of a decoder layer against what they replace (not a test).
+"""The compiled CPU kernels against the library calls they replace, as the engine chooses them
+(not a test).
 
-* ``skinny_gemm``: every projection of a SmolLM2-135M decode step (30 layers of q|k|v, o,
-  gate|up and down weights, float32), against oneDNN's packed matmul
-  (the engine's path otherwise) at 1, 2, 4 and 8 rows. Reports ms per step and the ratio.
-* ``decoder_pointwise``: a layer's pointwise work (residual add + RMSNorm, the q/k rotation,
-  ``silu(gate) * up``) at 1 and 384 tokens, against the torch ops, float32 and bfloat16.
+Builds SmolLM2-135M (random weights, float32 by default) as the engine does, runs the engine's
+kernel trials on it (``kernel_trials.trial_sets``: ``skinny_gemm`` per projection shape at 1-8
+rows against oneDNN, each ``decoder_pointwise`` op against the torch ops, the decode and prefill
+attention kernels against the portable path) and reports, per case, what the engine chose
+(its own short timing, fresh, no cache) beside a longer measurement here. The target: every
+case the engine chose is >= 1.1x its baseline here; where it kept the baseline, the baseline
+runs. Last, a whole decode step's projections at 1/2/4/8 rows as the engine routes them, against
+oneDNN only.
 
-Runs alternate the two sides ``--reps`` times and report medians (the host's memory bandwidth
-drifts by tens of percent within minutes). Writes bench/results/cpu_kernels.json.
+``--march x86-64-v3`` builds the kernels for AVX2 (a stand-in for AVX2 hosts on an AVX-512
+one). Both sides of a case alternate in rounds; each round keeps a block's fastest call and the
+ratio is the median over rounds (see ``kernel_choice.measure``). Writes
+bench/results/cpu_kernels[-<march>][-<dtype>].json.
 
-    .venv/bin/python bench/cpu_kernels.py [--threads 2] [--reps 5]
+    .venv/bin/python bench/cpu_kernels.py [--threads 2] [--march native] [--dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from edgeinfer.daemon.engine.linear import linear, pack
-from edgeinfer.daemon.engine.rope import Rotation
-from edgeinfer.kernels import decoder_pointwise, skinny_gemm
+from edgeinfer.daemon.engine.kernel_trials import Sizes, projections, trial_sets
+from edgeinfer.daemon.engine.linear import linear
+from edgeinfer.daemon.engine.model import CausalLM
+from edgeinfer.daemon.engine.model_config import ModelConfig
+from edgeinfer.kernels import kernel_choice, native_build
+from edgeinfer.kernels.kernel_choice import Chooser, SizeRoute, measure
 
-RESULTS = Path(__file__).parent / "results" / "cpu_kernels.json"
-LAYERS = 30
-# SmolLM2-135M: hidden 576, 9 + 3 + 3 heads of 64, intermediate 1536; (out, in) per weight.
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-
-
-def best_ms(fn: Callable[[], object], inner: int) -> float:
-    """Fastest of three timings of ``inner`` calls, per call, in ms (after a warm-up call)."""
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner)
-    return min(times) * 1e3
-
-
-def alternate(a: Callable[[], float], b: Callable[[], float], reps: int) -> tuple[float, float]:
-    """Medians of ``reps`` alternating measurements of each side."""
-    xs, ys = [], []
-    for _ in range(reps):
-        xs.append(a())
-        ys.append(b())
-    return statistics.median(xs), statistics.median(ys)
+RESULTS = Path(__file__).parent / "results"
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000,
+    "tie_word_embeddings": True,
+}
 
 
-def projections(reps: int) -> list[dict]:
-    weights = {s: [torch.randn(*s) * 0.05 for _ in range(LAYERS)] for s in SHAPES}
-    packed = {s: [pack(w) for w in ws] for s, ws in weights.items()}
-    panels = {s: [skinny_gemm.prepare(w) for w in ws] for s, ws in weights.items()}
-    step_bytes = sum(w.numel() * 4 for ws in weights.values() for w in ws)
-    rows_out = []
-    for rows in (1, 2, 4, 8):  # decode steps of 1 to 8 sequences
-        xs = {k: torch.randn(rows, k) for k in {s[1] for s in SHAPES}}
+def build_model(dtype: torch.dtype) -> CausalLM:
+    """SmolLM2-135M with random weights, fused and packed as ``ModelRunner`` loads it."""
+    cfg = ModelConfig.from_dict(SMOLLM2)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.fuse_projections()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    model.pack_weights()
+    return model
 
-        def onednn(xs: dict[int, torch.Tensor] = xs) -> None:
-            for s, ws in packed.items():
-                for w in ws:
-                    linear(xs[s[1]], w)
 
-        def skinny(xs: dict[int, torch.Tensor] = xs) -> None:
-            for s, ps in panels.items():
-                for p in ps:
-                    if p is not None:
-                        skinny_gemm.skinny_linear(xs[s[1]], p)
+def host_flags() -> str:
+    out = subprocess.run(
+        ["grep", "-o", "-w", r"avx512f\|avx512_bf16\|amx_tile\|avx2", "/proc/cpuinfo"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return " ".join(sorted(set(out.split())))
 
-        base, mine = alternate(lambda: best_ms(onednn, 3), lambda: best_ms(skinny, 3), reps)
+
+def step_rows(model: CausalLM, budget_s: float) -> list[dict]:
+    """A decode step's projections (every packed weight) as routed, against oneDNN only."""
+    pairs = [pair for group in projections(model).values() for pair in group]
+    rows_out: list[dict] = []
+    for rows in (1, 2, 4, 8) if pairs else ():  # none for bf16 weights (oneDNN only)
+        xs = {w.in_features: torch.randn(rows, w.in_features) for _, w in pairs}
+
+        def onednn(xs: dict = xs) -> None:
+            for packed, skinny in pairs:
+                linear(xs[skinny.in_features], packed)
+
+        def routed(xs: dict = xs) -> None:
+            for packed, skinny in pairs:
+                linear(xs[skinny.in_features], packed, None, skinny)
+
+        t = measure(onednn, routed, budget_s=budget_s, min_rounds=5)
+        case = f"{len(pairs)} projections, {rows} rows, as routed"
         rows_out.append(
-            {
-                "kernel": "skinny_gemm",
-                "case": f"{rows} row(s), float32, 120 projections",
-                "baseline": "oneDNN packed",
-                "baseline_ms": base,
-                "kernel_ms": mine,
-                "kernel_gb_s": step_bytes / mine / 1e6,
-                "baseline_gb_s": step_bytes / base / 1e6,
-                "ratio": base / mine,
-            }
+            {"kernel": "decode step", "case": case, "baseline": "oneDNN only"}
+            | {"engine_ratio": None, "chosen": None, "bench": asdict(t)}
         )
     return rows_out
-
-
-def pointwise_case(dtype: torch.dtype, tokens: int, reps: int) -> dict:
-    x, attn = torch.randn(tokens, 576).to(dtype), torch.randn(tokens, 576).to(dtype)
-    gate_up, qkv = torch.randn(tokens, 3072).to(dtype), torch.randn(tokens, 15, 64).to(dtype)
-    rot = Rotation.build(torch.randn(tokens, 64), torch.randn(tokens, 64), dtype)
-    weight = torch.ones(576, dtype=dtype)
-
-    def torch_ops() -> None:
-        total = x + attn
-        weight * F.rms_norm(total.float(), (576,), None, 1e-5).to(dtype)
-        rot.apply(qkv[:, :12])
-        gate, up = gate_up.chunk(2, dim=-1)
-        F.silu(gate).mul_(up)
-
-    def compiled() -> None:
-        decoder_pointwise.add_rms_norm(x, attn, weight, 1e-5)
-        decoder_pointwise.rotate_(qkv[:, :12], rot.cos, rot.signed_sin)
-        decoder_pointwise.silu_mul(gate_up)
-
-    inner = 200 if tokens == 1 else 20
-    base, mine = alternate(
-        lambda: best_ms(torch_ops, inner), lambda: best_ms(compiled, inner), reps
-    )
-    return {
-        "kernel": "decoder_pointwise",
-        "case": f"{tokens} token(s), {str(dtype).removeprefix('torch.')}, one layer",
-        "baseline": "torch ops",
-        "baseline_ms": base,
-        "kernel_ms": mine,
-        "ratio": base / mine,
-    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--march", default="native", choices=native_build.MARCHES)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--budget", type=float, default=0.4, help="seconds per case, here")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if not (skinny_gemm.available() and decoder_pointwise.available()):
-        raise SystemExit("the compiled kernels are not available here (compiler or switch)")
+    os.environ[native_build.ENV_MARCH] = args.march  # read when each library first loads
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    with torch.inference_mode():
-        rows = projections(args.reps) + [
-            pointwise_case(dtype, tokens, args.reps)
-            for dtype in (torch.float32, torch.bfloat16)
-            for tokens in (1, 384)
-        ]
-    table = Table(title=f"compiled CPU kernels vs their baselines ({args.threads} threads)")
-    for col in ("kernel", "case", "baseline", "baseline ms", "kernel ms", "ratio"):
-        table.add_column(col, justify="right" if col.endswith(("ms", "ratio")) else "left")
-    for r in rows:
+    model = build_model(dtype)
+    sizes = Sizes(dtype, block_size=16, max_num_seqs=64, max_tokens=2048)
+    sets = trial_sets(model, sizes)
+    if not sets:
+        raise SystemExit("the compiled kernels are not available here (compiler or switch)")
+    results = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        engine = Chooser(args.threads, path=Path(tmp) / "choice.json")  # fresh: no cache
+        for s in sets:
+            verdicts = {}
+            for size, trial, _ in s.trials:
+                verdict = engine.decide(trial)
+                verdicts[size] = verdict.chosen
+                t = measure(*trial.setup(), budget_s=args.budget)
+                results.append(
+                    {"kernel": trial.kernel, "case": trial.case, "baseline": trial.baseline}
+                    | {"engine_ratio": verdict.timing.ratio, "chosen": verdict.chosen}
+                    | {"bench": asdict(t)}
+                )
+            s.apply(SizeRoute(verdicts))
+        results += step_rows(model, args.budget)
+    flags = host_flags()
+    title = f"compiled CPU kernels, -march={args.march}, {args.dtype}, {args.threads} threads"
+    table = Table(title=f"{title} (host: {flags})")
+    for col in ("kernel", "case", "baseline", "engine", "baseline us", "kernel us", "here"):
+        table.add_column(col, justify="left" if col in ("kernel", "case", "baseline") else "right")
+    for r in results:
+        b = r["bench"]
+        engine_col = "" if r["chosen"] is None else f"{r['engine_ratio']:.2f}x "
+        engine_col += {True: "kernel", False: "baseline", None: ""}[r["chosen"]]
+        flag = " !" if r["chosen"] and b["ratio"] < kernel_choice.MARGIN else ""
         table.add_row(
-            r["kernel"], r["case"], r["baseline"], f"{r['baseline_ms']:.3f}",
-            f"{r['kernel_ms']:.3f}", f"{r['ratio']:.2f}x",
+            r["kernel"], r["case"], r["baseline"], engine_col, f"{b['baseline_us']:.1f}",
+            f"{b['kernel_us']:.1f}", f"{b['ratio']:.2f}x{flag}",
         )  # fmt: skip
-    console = Console(width=120)
+    console = Console(width=150)
     console.print(table)
-    console.print("ratio = baseline time / kernel time (> 1: the kernel is faster)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"threads": args.threads, "reps": args.reps, "rows": rows}, indent=2)
+    console.print(
+        "ratio = baseline time / kernel time (> 1: the kernel is faster); engine: its verdict "
+        f"at load (kernel where >= {kernel_choice.MARGIN}x); '!': chosen but < "
+        f"{kernel_choice.MARGIN}x here. {time.perf_counter() - start:.0f} s."
     )
-    console.print(f"wrote {args.out}")
+    suffix = ("" if args.march == "native" else f"-{args.march}") + (
+        "" if args.dtype == "float32" else f"-{args.dtype}"
+    )
+    out = args.out or RESULTS / f"cpu_kernels{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = {"threads": args.threads, "march": args.march, "dtype": args.dtype, "host": flags}
+    out.write_text(json.dumps(body | {"rows": results}, indent=2))
+    console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 ``/v1/state`` and ZeroMQ heartbeats make a real ``edge-router`` discover and place on it;
 ``/v1/chat/completions`` streams ``--chunks`` chat chunks (real-sized SSE events) as fast as
-the socket takes them, so a request's latency is all HTTP and proxy, nothing else.
+the socket takes them, so a request's latency is all HTTP and proxy, nothing else;
+``/v1/tokenizer`` serves the built-in model's tokenizer when it is in the cache, so the router
+tokenises each request as it would for a real daemon.
 
     .venv/bin/python bench/fake_daemon.py --port 9000 --heartbeat-port 9001 [--chunks 64]
 """
@@ -20,6 +22,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from edgeinfer.shared.heartbeat import Heartbeat
+from router_prefix import MODEL_DIR, tokenizer_description
 
 MODEL = "bench-model"
 POP = "bench"
@@ -53,11 +56,18 @@ class FakeDaemon:
             waiting=0, kv_blocks_free=1000, kv_blocks_total=1000, block_size=16,
             prefill_tokens_per_s=10_000.0, decode_tokens_per_s=1_000.0, ttft_p50_s=0.01,
             itl_p50_s=0.01, queued_prefill_tokens=0, draining=False, drained=False, in_flight=0,
-            seq=seq, started_at=self.started_at, sent_at=time.time(),
+            kv_bytes_per_token=23040, local_prefill_threshold=512, prefill_chunk_tokens=2048,
+            tokenizer_id="fake", prefix_caching=False, kv_event_seq=0, seq=seq, started_at=self.started_at, sent_at=time.time(),
         )  # fmt: skip
 
     async def handle_state(self, request: web.Request) -> web.Response:
         return web.json_response(self.state())
+
+    async def handle_tokenizer(self, request: web.Request) -> web.Response:
+        description = tokenizer_description(MODEL_DIR, "fake")
+        if description is None:
+            raise web.HTTPNotFound()
+        return web.json_response(description)
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "serving"})
@@ -87,6 +97,7 @@ class FakeDaemon:
         app.router.add_get("/v1/state", self.handle_state)
         app.router.add_get("/health", self.handle_health)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
+        app.router.add_get("/v1/tokenizer", self.handle_tokenizer)
         runner = web.AppRunner(app, access_log=None)  # a real daemon logs; this one measures
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", self.port).start()

@@ -17,8 +17,14 @@ the best (and the median) of ten rounds, because a shared host perturbs single r
   proxy does) on a clock advancing at that rate, so the per-placement row updates, the ledger
   and its absorption by heartbeats are paid for too.
 
+``prefix hits`` (in ``decisions``): the static decisions again, each request's prefix held by
+two daemons (the selector's prefix path). ``tokenize``: rendering a chat, encoding it and
+hashing its blocks as the router does before placing it, per 1k prompt tokens.
+
 ``latency``: p50/p99 of TTFT and of whole streamed responses, direct to a fake daemon vs through
-an ``edge-router`` process, in the same run (see ``router_latency.py``).
+an ``edge-router`` process without API keys vs through one with keys and every limit on (never
+reached), in the same run, and the keys-on/keys-off ratio of the added p99 (see
+``router_latency.py``).
 
 Prints a table and merges its results into ``bench/results/router.json`` (other measurements of
 this file keep their keys).
@@ -51,12 +57,14 @@ from edgeinfer.router.network import NetworkModel  # noqa: E402
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry  # noqa: E402
 from edgeinfer.router.selector import (  # noqa: E402
     PlacementConfig,
+    PrefixHits,
     RequestFeatures,
     record_placement,
     select,
 )
 from edgeinfer.shared.heartbeat import Heartbeat  # noqa: E402
 from router_latency import bench_latency  # noqa: E402
+from router_prefix import bench_tokenize  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "router.json"
 TARGET_DECISIONS_PER_S = 20_000
@@ -107,6 +115,12 @@ def synthetic_heartbeat(url: str, pop: str, seq: int, rng: random.Random) -> Hea
         draining=zlib.crc32(url.encode()) % 20 == 0,
         drained=False,
         in_flight=running + waiting,
+        kv_bytes_per_token=131_072,
+        local_prefill_threshold=512,
+        prefill_chunk_tokens=2048,
+        tokenizer_id="bench",
+        prefix_caching=False,
+        kv_event_seq=0,
         seq=seq,
         started_at=1.7e9,
         sent_at=1.7e9 + seq,
@@ -175,6 +189,17 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
         return rates
 
     static = run(None)
+    # The same decisions knowing the prompt's prefix (prefix_select's path): two daemons
+    # anywhere hold it, one all of its blocks, one 80%.
+    plain = list(reqs)
+    held = [v.url for v in registry.snapshot(now) if v.role != "prefill"]
+    for k, (client, f) in enumerate(plain):
+        blocks = f.prompt_tokens // 16
+        hits = {held[(k * 7) % len(held)]: blocks * 4 // 5, held[(k * 13) % len(held)]: blocks}
+        reqs[k] = (client, RequestFeatures(f.prompt_tokens, f.max_tokens, f.model,
+                                           PrefixHits(f.prompt_tokens, blocks, 16, hits)))  # fmt: skip
+    with_prefix = run(None)
+    reqs[:] = plain
     beats_per_s = len(daemons) / HEARTBEAT_INTERVAL_S
     churn = run(max(1, int(statistics.median(static) / beats_per_s)))
     views = registry.snapshot(now)
@@ -187,6 +212,8 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
         "decisions_per_s_static_median": round(statistics.median(static)),
         "decisions_per_s_churn": round(max(churn)),
         "decisions_per_s_churn_median": round(statistics.median(churn)),
+        "decisions_per_s_prefix_hits": round(max(with_prefix)),
+        "decisions_per_s_prefix_hits_median": round(statistics.median(with_prefix)),
         "us_per_decision_static": round(1e6 / max(static), 2),
         "heartbeats_per_s_in_churn": beats_per_s,
         "target_decisions_per_s": TARGET_DECISIONS_PER_S,
@@ -197,6 +224,7 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "decisions": bench_decisions,
     "latency": bench_latency,
+    "tokenize": lambda args: bench_tokenize(args.quick),
 }
 
 

@@ -1,17 +1,20 @@
 """The latency a real ``edge-router`` process adds to a streamed chat, on loopback.
 
 A fake daemon (``fake_daemon.py``: real heartbeats, an instant stream of ``chunks`` SSE events)
-and an ``edge-router`` placing on it run as separate processes. One client sends requests one
-at a time, alternating direct-to-daemon and through-the-router so that both paths see the same
+and two ``edge-router`` processes placing on it run as separate processes: ``router`` without
+API keys, ``router_keys`` with an ``api_keys_file`` whose key has every limit (requests and
+tokens per minute, concurrency) set, high enough never to refuse. One client sends requests one
+at a time, rotating over direct-to-daemon and the two routers so that every path sees the same
 host noise, each over its own kept-alive connection (as a client SDK does). Per request:
 
 * ``ttft``: request sent -> first SSE event received;
 * ``full``: request sent -> end of the streamed body.
 
-The added latency is the router's quantile minus the direct one (p50 and p99). On a shared
-host those quantiles carry other processes' scheduling noise, so the router's CPU time per
-request (user + system, from ``/proc``) is reported too: the part of its cost no neighbour
-can inflate. The load average at the start says how quiet the host was.
+The added latency is a router's quantile minus the direct one (p50 and p99); keys on and off
+are reported side by side, with their ratio. On a shared host those quantiles carry other
+processes' scheduling noise, so each router's CPU time per request (user + system, from
+``/proc``) is reported too: the part of its cost no neighbour can inflate. The load average at
+the start says how quiet the host was.
 """
 
 from __future__ import annotations
@@ -29,46 +32,65 @@ import aiohttp
 import numpy as np
 import uvloop
 
+from edgeinfer.router.tenants import key_digest
 from edgeinfer.shared.processes import ChildProcess, free_port, spawn
 
 HERE = Path(__file__).resolve().parent
 TARGET_ADDED_P99_MS = 2.0
+API_KEY = "ei-bench-key-0123456789abcdef0123456789abcdef"
+# Limits the benchmark never reaches: every check runs, none refuses.
+KEY_LIMITS = (
+    "requests_per_minute = 100000000\ntokens_per_minute = 100000000000\nmax_concurrent = 1000\n"
+)
+PATHS = ("direct", "router", "router_keys")
 BODY = (
     b'{"model": "bench-model", "messages": [{"role": "user", "content": "Hello there"}], '
     b'"max_tokens": 64, "stream": true}'
 )
 
 
-@contextlib.contextmanager
-def _processes(workdir: Path, chunks: int) -> Iterator[tuple[str, str, int]]:
-    """(daemon URL, router URL, router pid) while a fake daemon and a real router run."""
-    d_port, hb_port, r_port = free_port(), free_port(), free_port()
-    config = workdir / "router.toml"
-    config.write_text(
-        f'[router]\nlisten = "127.0.0.1:{r_port}"\nhere = "bench"\n'
+def _router_config(path: Path, port: int, daemon_port: int, keys: Path | None) -> Path:
+    keys_line = f'api_keys_file = "{keys}"\n' if keys is not None else ""
+    path.write_text(
+        f'[router]\nlisten = "127.0.0.1:{port}"\nhere = "bench"\n{keys_line}'
         "heartbeat_interval_s = 0.5\ndiscovery_interval_s = 0.1\n\n"
-        f'[[pop]]\nname = "bench"\nlat = 50.11\nlon = 8.68\ndaemons = ["http://127.0.0.1:{d_port}"]\n'
+        f'[[pop]]\nname = "bench"\nlat = 50.11\nlon = 8.68\n'
+        f'daemons = ["http://127.0.0.1:{daemon_port}"]\n'
     )
+    return path
+
+
+@contextlib.contextmanager
+def _processes(workdir: Path, chunks: int) -> Iterator[dict[str, ChildProcess]]:
+    """A fake daemon and two real routers (keys off, keys on), by path name, while they run."""
+    d_port, hb_port = free_port(), free_port()
+    keys = workdir / "keys.toml"
+    keys.write_text(f'[[key]]\ntenant = "bench"\nsha256 = "{key_digest(API_KEY)}"\n{KEY_LIMITS}')
     daemon_cmd = [sys.executable, str(HERE / "fake_daemon.py"), "--port", str(d_port),
                   "--heartbeat-port", str(hb_port), "--chunks", str(chunks)]  # fmt: skip
-    router_cmd = [sys.executable, "-m", "edgeinfer.router.main", "--config", str(config)]
-    procs: list[ChildProcess] = []
+    procs: dict[str, ChildProcess] = {}
     try:
-        daemon = spawn("daemon", daemon_cmd, workdir=workdir, url=f"http://127.0.0.1:{d_port}")
-        procs.append(daemon)
-        router = spawn("router", router_cmd, workdir=workdir, url=f"http://127.0.0.1:{r_port}")
-        procs.append(router)
-        daemon.wait_http("/health", 30)
-        router.wait_http("/health", 30)  # 200 once the daemon is discovered and heartbeating
-        yield daemon.url, router.url, router.pid
+        procs["direct"] = spawn(
+            "daemon", daemon_cmd, workdir=workdir, url=f"http://127.0.0.1:{d_port}"
+        )
+        for name, keys_file in (("router", None), ("router_keys", keys)):
+            port = free_port()
+            config = _router_config(workdir / f"{name}.toml", port, d_port, keys_file)
+            cmd = [sys.executable, "-m", "edgeinfer.router.main", "--config", str(config)]
+            procs[name] = spawn(name, cmd, workdir=workdir, url=f"http://127.0.0.1:{port}")
+        for proc in procs.values():
+            proc.wait_http("/health", 30)  # a router: once the daemon is discovered and beating
+        yield procs
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(procs.values()):
             proc.stop(timeout_s=30)
 
 
-async def _one(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+async def _one(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str]
+) -> tuple[float, float]:
     start = time.perf_counter()
-    async with session.post(url, data=BODY, headers={"Content-Type": "application/json"}) as r:
+    async with session.post(url, data=BODY, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"{url} answered {r.status}: {await r.text()}")
         await r.content.readuntil(b"\n\n")
@@ -80,16 +102,20 @@ async def _one(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
     return ttft, full
 
 
-async def _measure(daemon: str, router: str, warmup: int, n: int) -> dict[str, np.ndarray]:
-    paths = {"direct": daemon, "router": router}
-    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in paths}
-    # One session (one kept-alive connection) per path, so neither pays a handshake.
-    sessions = {k: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for k in paths}
+async def _measure(urls: dict[str, str], warmup: int, n: int) -> dict[str, np.ndarray]:
+    plain = {"Content-Type": "application/json"}
+    headers = {k: plain for k in urls}
+    headers["router_keys"] = {**plain, "Authorization": f"Bearer {API_KEY}"}
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in urls}
+    # One session (one kept-alive connection) per path, so none pays a handshake.
+    sessions = {k: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for k in urls}
+    order = list(urls)
     try:
         for i in range(warmup + n):
-            # Alternate which path goes first so neither always follows the other.
-            for key in paths if i % 2 else reversed(paths):
-                result = await _one(sessions[key], paths[key] + "/v1/chat/completions")
+            # Rotate which path goes first so none always follows the same one.
+            for key in order[i % len(order) :] + order[: i % len(order)]:
+                url = urls[key] + "/v1/chat/completions"
+                result = await _one(sessions[key], url, headers[key])
                 if i >= warmup:
                     samples[key].append(result)
     finally:
@@ -109,25 +135,32 @@ def bench_latency(args: Any) -> dict[str, Any]:
     n = 300 if args.quick else 3000
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp, _processes(Path(tmp), chunks) as procs:
-        daemon, router, pid = procs
-        uvloop.run(_measure(daemon, router, warmup, 0))
-        cpu = _cpu_s(pid)
-        ms = uvloop.run(_measure(daemon, router, 0, n))
-        cpu = _cpu_s(pid) - cpu
+        urls = {name: procs[name].url for name in PATHS}
+        uvloop.run(_measure(urls, warmup, 0))
+        routers = ("router", "router_keys")
+        cpu = {name: _cpu_s(procs[name].pid) for name in routers}
+        ms = uvloop.run(_measure(urls, 0, n))
+        cpu = {name: _cpu_s(procs[name].pid) - cpu[name] for name in routers}
     out: dict[str, Any] = {
         "requests_per_path": n,
         "chunks_per_response": chunks,
         "host_load_avg_1m": round(load, 2),
-        "router_cpu_ms_per_request": round(cpu / n * 1000, 3),
+        "router_cpu_ms_per_request": round(cpu["router"] / n * 1000, 3),
+        "router_keys_cpu_ms_per_request": round(cpu["router_keys"] / n * 1000, 3),
     }
     for i, metric in enumerate(("ttft", "full")):
         for q in (50, 99):
             direct = float(np.percentile(ms["direct"][:, i], q))
-            via = float(np.percentile(ms["router"][:, i], q))
             out[f"{metric}_p{q}_direct_ms"] = round(direct, 3)
-            out[f"{metric}_p{q}_router_ms"] = round(via, 3)
-            out[f"{metric}_p{q}_added_ms"] = round(via - direct, 3)
+            for name, suffix in (("router", ""), ("router_keys", "_keys")):
+                via = float(np.percentile(ms[name][:, i], q))
+                out[f"{metric}_p{q}_router{suffix}_ms"] = round(via, 3)
+                out[f"{metric}_p{q}_added{suffix}_ms"] = round(via - direct, 3)
     worst = max(out["ttft_p99_added_ms"], out["full_p99_added_ms"])
+    worst_keys = max(out["ttft_p99_added_keys_ms"], out["full_p99_added_keys_ms"])
+    # How much the Gate costs on top of the proxy: > 1 means keys on is slower.
+    out["keys_on_over_off_added_p99"] = round(worst_keys / worst, 2) if worst > 0 else None
     out["target_added_p99_ms"] = TARGET_ADDED_P99_MS
     out["meets_target"] = worst < TARGET_ADDED_P99_MS
+    out["meets_target_keys_on"] = worst_keys < TARGET_ADDED_P99_MS
     return out

@@ -20,6 +20,10 @@ from typing import Any
 from cluster import Proc
 
 TOKEN = "e2e-admin-token"
+# The routers' key to their daemons (the daemons' api_key); a test calling a daemon directly
+# presents it as the router would.
+DAEMON_KEY = "e2e-daemon-key"
+DAEMON_AUTH = {"Authorization": f"Bearer {DAEMON_KEY}"}
 # The module, not the console script: the script exists only once the venv is reinstalled.
 EDGECTL = [sys.executable, "-m", "edgeinfer.ctl.main"]
 
@@ -100,10 +104,11 @@ def chat(
     max_tokens: int = 12,
     stream: bool = True,
     streaming: threading.Event | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Reply:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": stream}  # fmt: skip
-    headers = {"X-Forwarded-For": xff} if xff else {}
+    headers = {**(headers or {}), **({"X-Forwarded-For": xff} if xff else {})}
     return request(base + "/v1/chat/completions", "POST", body, headers, streaming=streaming)
 
 

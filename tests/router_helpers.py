@@ -21,6 +21,7 @@ import orjson
 import zmq
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
 
 from edgeinfer.router.app import RouterSetup, create_app
 from edgeinfer.router.config import load_pops, load_router_config
@@ -43,10 +44,14 @@ class FakeDaemon:
     chunk_delay_s: float = 0.0
     fail_status: int | None = None  # answer every completion with this 5xx
     break_after: int | None = None  # abort the connection after this many chunks
+    body_delay_s: float = 0.0  # a non-streaming answer comes this late (a long generation)
+    drop_request: bool = False  # read the request, then close the connection unanswered
+    die_after_headers: bool = False  # a non-streaming answer: 200 headers, then a cut
     gate: asyncio.Event | None = None  # the second chunk waits for it
     hang: bool = False  # after the first chunk, never finish
     draining: bool = False
     seen: list[dict[str, Any]] = field(default_factory=list)  # every completion request
+    state_headers: list[CIMultiDict[str]] = field(default_factory=list)  # of each /v1/state
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # a handler was cancelled
     admin_calls: list[str] = field(default_factory=list)
     in_flight: int = 0
@@ -73,15 +78,19 @@ class FakeDaemon:
         self._started = time.time()
         self._beats = asyncio.create_task(self._publish())
 
+    async def stop_heartbeats(self) -> None:
+        """The daemon's host goes silent: no heartbeats, and its connections stay open."""
+        self._beats.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._beats
+
     async def stop_http(self) -> None:
         """The daemon's HTTP side dies; its heartbeats keep claiming it is fine."""
         if self.server is not None:
             await self.server.close()
 
     async def close(self) -> None:
-        self._beats.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._beats
+        await self.stop_heartbeats()
         self._pub.close()
         await self.stop_http()
 
@@ -92,7 +101,9 @@ class FakeDaemon:
             kv_blocks_free=750, kv_blocks_total=1000, block_size=16,
             prefill_tokens_per_s=8000.0, decode_tokens_per_s=400.0, ttft_p50_s=0.042,
             itl_p50_s=0.02, queued_prefill_tokens=0, draining=self.draining,
-            drained=self.draining and self.in_flight == 0, in_flight=self.in_flight, seq=seq,
+            drained=self.draining and self.in_flight == 0, in_flight=self.in_flight,
+            kv_bytes_per_token=23040, local_prefill_threshold=512, prefill_chunk_tokens=2048,
+            tokenizer_id="fake", prefix_caching=False, kv_event_seq=0, seq=seq,
             started_at=self._started, sent_at=time.time(),
         )  # fmt: skip
 
@@ -104,6 +115,8 @@ class FakeDaemon:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _state(self, request: web.Request) -> web.Response:
+        if request.path == "/v1/state":
+            self.state_headers.append(CIMultiDict(request.headers))
         return web.json_response(
             {"pop": self.pop, "role": self.role, "model": MODEL, "kv_endpoint": self.kv_endpoint,
              "heartbeat_endpoint": self.heartbeat_endpoint, "in_flight": self.in_flight,
@@ -125,22 +138,39 @@ class FakeDaemon:
         except orjson.JSONDecodeError:
             error = {"message": "body is not JSON", "type": "invalid_request_error"}
             return web.json_response({"error": error}, status=400, headers={"x-fake": "1"})
-        self.seen.append({"body": body, "headers": dict(request.headers), "at": time.monotonic()})
+        headers = CIMultiDict(request.headers)  # looked up as HTTP does: case-insensitively
+        self.seen.append({"body": body, "headers": headers, "at": time.monotonic()})
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
         if self.draining:
             return web.json_response({"error": {"message": "draining"}}, status=503)
+        if self.drop_request:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         self.in_flight += 1
         try:
             if not body.get("stream"):
-                text = "".join(self.chunks)
-                return web.json_response({"object": "text_completion", "choices": [{"text": text}]})
+                return await self._whole(request)
             return await self._stream(request)
         except asyncio.CancelledError:
             self.closed.set()
             raise
         finally:
             self.in_flight -= 1
+
+    async def _whole(self, request: web.Request) -> web.StreamResponse:
+        if self.die_after_headers:
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.content_length = 1000
+            await resp.prepare(request)
+            await resp.write(b'{"object": "text_')
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await asyncio.sleep(self.body_delay_s)
+        text = "".join(self.chunks)
+        return web.json_response({"object": "text_completion", "choices": [{"text": text}]})
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Cache-Control": "no-cache"})
@@ -166,16 +196,22 @@ def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def write_config(path: Path, daemons: dict[str, list[FakeDaemon]], token_file: Path) -> Path:
-    lines = [
-        "[router]",
-        'here = "fra"',
-        f'admin_token_file = "{token_file}"',
-        f"heartbeat_interval_s = {HEARTBEAT_S * 4}",
-        "discovery_interval_s = 0.05",
-        "first_byte_timeout_s = 5.0",
-        "",
-    ]
+def write_config(
+    path: Path,
+    daemons: dict[str, list[FakeDaemon]],
+    token_file: Path,
+    extra: dict[str, str] | None = None,
+) -> Path:
+    """The router's TOML; ``extra`` adds ``[router]`` keys (values already in TOML syntax)."""
+    settings = {
+        "here": '"fra"',
+        "admin_token_file": f'"{token_file}"',
+        "heartbeat_interval_s": str(HEARTBEAT_S * 4),
+        "discovery_interval_s": "0.05",
+        "request_timeout_s": "30.0",
+        **(extra or {}),
+    }
+    lines = ["[router]", *(f"{k} = {v}" for k, v in settings.items()), ""]
     for pop, members in daemons.items():
         lat, lon = COORDS[pop]
         urls = ", ".join(f'"{d.url}"' for d in members)
@@ -234,14 +270,17 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def start_cluster(tmp_path: Path, token: str | None = TOKEN) -> AsyncIterator[Cluster]:
+async def start_cluster(
+    tmp_path: Path, token: str | None = TOKEN, extra: dict[str, str] | None = None
+) -> AsyncIterator[Cluster]:
     ctx: zmq.Context[Any] = zmq.Context()
     fra, nyc = FakeDaemon("fra"), FakeDaemon("nyc")
     for d in (fra, nyc):
         await d.start(ctx)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    path = write_config(tmp_path / "router.toml", {"fra": [fra], "nyc": [nyc]}, token_file)
+    daemons = {"fra": [fra], "nyc": [nyc]}
+    path = write_config(tmp_path / "router.toml", daemons, token_file, extra)
     config = load_router_config(path, env={})
     setup = RouterSetup(config, load_pops(path, config.here), token, config_path=path)
     try:

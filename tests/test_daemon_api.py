@@ -212,21 +212,30 @@ async def test_models(client: Any) -> None:
     assert [m["id"] for m in data["data"]] == ["tiny-test"]
 
 
-async def test_prefill_endpoint_reaches_runner(client: Any, monkeypatch: Any) -> None:
+async def test_prefill_endpoint_reaches_runner(
+    aiohttp_client: Any, checkpoint: Path, llm: LLMEngine
+) -> None:
+    peer = "tcp://p2:5600"
+    config = daemon_config(checkpoint, api_key="daemon-key", prefill_peers=(peer,))
+    client = await start(aiohttp_client, config, llm)
     runner = client.app[STATE_KEY].runner
     seen: list[str | None] = []
     original = runner.run
 
-    def spy(rid: str, ids: list[int], params: SamplingParams, peer: str | None = None) -> Any:
-        seen.append(peer)
-        return original(rid, ids, params, peer)
+    def spy(rid: str, ids: list[int], params: SamplingParams, *rest: Any) -> Any:
+        seen.append(rest[0] if rest else None)
+        return original(rid, ids, params, *rest)
 
-    monkeypatch.setattr(runner, "run", spy)
+    runner.run = spy
+    key = {"Authorization": "Bearer daemon-key"}
     body = {"prompt": "Hi", "max_tokens": 2}
-    await client.post("/v1/completions", json=body)
-    await client.post("/v1/completions", json=body, headers={"x-edge-prefill": "tcp://p1:5600"})
-    with_body = {**body, "kv_transfer_params": {"prefill_endpoint": "tcp://p2:5600"}}
-    await client.post("/v1/completions", json=with_body)
-    # The router's header wins over the body.
-    await client.post("/v1/completions", json=with_body, headers={"x-edge-prefill": "tcp://p1:1"})
-    assert seen == [None, "tcp://p1:5600", "tcp://p2:5600", "tcp://p1:1"]
+    with_body = {**body, "kv_transfer_params": {"prefill_endpoint": peer}}
+    for sent, headers in [
+        (body, key),
+        # The router (it presents the key) may name any prefill daemon.
+        (body, {**key, "x-edge-prefill": "tcp://p1:5600"}),
+        (with_body, key),  # the body only ever names a configured peer
+        (with_body, {**key, "x-edge-prefill": "tcp://p1:1"}),  # the router's header wins
+    ]:
+        assert (await client.post("/v1/completions", json=sent, headers=headers)).status == 200
+    assert seen == [None, "tcp://p1:5600", peer, "tcp://p1:1"]

@@ -38,3 +38,24 @@ def test_decode_threads_are_validated() -> None:
 
     with pytest.raises(EngineError, match="decode_threads must be >= 1"):
         EngineConfig(decode_threads=0)
+
+
+def test_port_0_is_any_free_port_and_may_repeat() -> None:
+    config = DaemonConfig(port=0, kv_port=0, heartbeat_port=0)
+    assert (config.port, config.kv_port, config.heartbeat_port) == (0, 0, 0)
+    DaemonConfig(port=0, kv_port=0, heartbeat_port=7000)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"heartbeat_port": -1}, r"'heartbeat_port' must be in \[0, 65535\]"),
+        ({"kv_port": 65536}, r"'kv_port' must be in \[0, 65535\]"),
+        ({"port": 0, "kv_port": 7000, "heartbeat_port": 7000}, "must differ"),
+    ],
+)
+def test_bad_ports(overrides: dict[str, int], needle: str) -> None:
+    from edgeinfer.shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        DaemonConfig(**overrides)  # type: ignore[arg-type]

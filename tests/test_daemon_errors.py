@@ -60,11 +60,11 @@ BAD_COMPLETIONS = [
     ("top-p-zero", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("stop-number", {"prompt": "hi", "stop": 3}, "stop"),
     ("stream-string", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("n-two", {"prompt": "hi", "n": 2}, "n"),
+    ("n-too-many", {"prompt": "hi", "n": 17}, "n"),
     ("n-string", {"prompt": "hi", "n": "1"}, "n"),
     ("logprobs-too-many", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("logprobs-bool", {"prompt": "hi", "logprobs": True}, "logprobs"),
-    ("echo", {"prompt": "hi", "echo": True}, "echo"),
+    ("echo-string", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("stream-options-without-stream", {"prompt": "hi", "stream_options": {}}, "stream"),
     (
         "include-usage-string",
@@ -75,6 +75,19 @@ BAD_COMPLETIONS = [
         "prefill-endpoint",
         {"prompt": "hi", "kv_transfer_params": {"prefill_endpoint": "x"}},
         "kv_transfer_params.prefill_endpoint",
+    ),
+    ("logit-bias-number", {"prompt": "hi", "logit_bias": 5}, "logit_bias"),
+    ("logit-bias-key", {"prompt": "hi", "logit_bias": {"x": 1.0}}, "logit_bias"),
+    ("logit-bias-range", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    (
+        "prefill-endpoint-untrusted",
+        {"prompt": "hi", "kv_transfer_params": {"prefill_endpoint": "tcp://10.0.0.1:5600"}},
+        "kv_transfer_params.prefill_endpoint",
+    ),
+    (
+        "kv-transfer-params-string",
+        {"prompt": "hi", "kv_transfer_params": "x"},
+        "kv_transfer_params",
     ),
 ]
 
@@ -108,7 +121,17 @@ BAD_CHATS = [
     ("logprobs-int", {"messages": CHAT, "logprobs": 2}, "logprobs"),
     ("top-logprobs-alone", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("max-completion-tokens", {"messages": CHAT, "max_completion_tokens": 10**6}, "max_tokens"),
-    ("tools", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("tools", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    (
+        "kwargs-messages",
+        {"messages": CHAT, "chat_template_kwargs": {"messages": []}},
+        "chat_template_kwargs.messages",
+    ),
+    (
+        "kwargs-add-generation-prompt",
+        {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": True}},
+        "chat_template_kwargs.add_generation_prompt",
+    ),
 ]
 
 
@@ -160,3 +183,44 @@ async def test_unknown_route_and_method(client: Any) -> None:
     resp = await client.get("/v1/completions")
     assert resp.status == 405
     assert_openai_error(await resp.json(), None)
+
+
+async def test_untrusted_prefill_header(client: Any) -> None:
+    # No api_key and no configured peers: nobody may steer this daemon's KV plane.
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": CHAT}),
+    ):
+        resp = await client.post(path, json=body, headers={"x-edge-prefill": "tcp://10.0.0.1:5600"})
+        assert resp.status == 400
+        assert_openai_error(await resp.json(), "x-edge-prefill", "untrusted_prefill_endpoint")
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+async def test_huge_prompt_is_refused_before_a_full_tokenisation(
+    client: Any, llm: LLMEngine, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    text = "the quick brown fox jumps over the lazy dog " * 50_000  # ~2 MiB
+    encoded: list[int] = []
+    encode = llm.tokenizer.encode
+
+    def spy(piece: str, add_special_tokens: bool = True) -> list[int]:
+        encoded.append(len(piece))
+        return encode(piece, add_special_tokens)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", spy)
+    if kind == "chat":
+        path, body, param = (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": text}]},
+            "messages",
+        )
+    else:
+        path, body, param = "/v1/completions", {"prompt": text}, "prompt"
+    resp = await client.post(path, json=body)
+    assert resp.status == 400
+    data = await resp.json()
+    assert_openai_error(data, param, "context_length_exceeded")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in data["error"]["message"]
+    # Only prefixes a few times the context were tokenised, never the 2 MiB.
+    assert encoded and sum(encoded) < 64 * MAX_MODEL_LEN < len(text)

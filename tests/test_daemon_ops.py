@@ -21,6 +21,8 @@ from daemon_helpers import (
 )
 from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.kv_transfer.stats import TransferStats
+from edgeinfer.daemon.metrics import DaemonMetrics
 from edgeinfer.daemon.state import METRICS_KEY, STATE_KEY
 
 pytestmark = pytest.mark.asyncio
@@ -40,9 +42,13 @@ def llm(checkpoint: Path) -> LLMEngine:
     return load_engine(checkpoint)
 
 
+ADMIN_TOKEN = "s3cret"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
 @pytest_asyncio.fixture
 async def client(aiohttp_client: Any, checkpoint: Path, llm: LLMEngine) -> Any:
-    client = await start(aiohttp_client, daemon_config(checkpoint), llm)
+    client = await start(aiohttp_client, daemon_config(checkpoint, admin_token=ADMIN_TOKEN), llm)
     yield client
     assert (await wait_for_idle_engine(client)).kv_blocks_used == 0
 
@@ -66,11 +72,13 @@ async def test_disconnect_mid_stream_frees_blocks(client: Any, path: str) -> Non
         assert isinstance(await read_event(resp), dict)
     assert (await engine_stats(client)).kv_blocks_used > 0
     resp.close()  # drop the connection with the request mid-generation
-    stats = await wait_for_idle_engine(client, timeout=2.0)
+    stats = await wait_for_idle_engine(client, timeout=30.0)  # returns once idle
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
     # Aborted, not run to completion: far fewer than max_tokens were generated.
     assert stats.generation_tokens - before < LONG_TOKENS // 2
-    assert await metric(client, 'edgeinfer_requests_total{outcome="client_disconnect"}') == 1
+    assert (
+        await metric(client, 'edgeinfer_requests_total{outcome="client_disconnect",tenant=""}') == 1
+    )
     assert await metric(client, "edgeinfer_kv_blocks_used") == 0
 
 
@@ -79,7 +87,7 @@ async def test_disconnect_of_multi_prompt_stream_aborts_all(client: Any) -> None
     resp = await client.post("/v1/completions", json=body)
     await read_event(resp)
     resp.close()
-    stats = await wait_for_idle_engine(client, timeout=2.0)
+    stats = await wait_for_idle_engine(client, timeout=30.0)  # returns once idle
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
 
@@ -89,7 +97,7 @@ async def test_drain_flow(client: Any) -> None:
     first = await read_event(resp)
     assert isinstance(first, dict)
 
-    drained = await client.post("/admin/drain")
+    drained = await client.post("/admin/drain", headers=ADMIN)
     assert drained.status == 200
     state = await drained.json()
     assert state["status"] == "draining" and state["draining"] and state["in_flight"] == 1
@@ -113,11 +121,11 @@ async def test_drain_flow(client: Any) -> None:
     assert state["status"] == "drained" and state["drained"] and state["in_flight"] == 0
     assert (await client.get("/health")).status == 503
 
-    undrained = await (await client.post("/admin/undrain")).json()
+    undrained = await (await client.post("/admin/undrain", headers=ADMIN)).json()
     assert undrained["status"] == "serving"
     assert (await client.get("/health")).status == 200
     assert (await client.post("/v1/completions", json={"prompt": "hi"})).status == 200
-    assert await metric(client, 'edgeinfer_requests_total{outcome="rejected"}') == 1
+    assert await metric(client, 'edgeinfer_requests_total{outcome="rejected",tenant=""}') == 1
 
 
 async def test_state_reports_load(client: Any) -> None:
@@ -202,21 +210,35 @@ async def test_unloadable_model_reports_failed(aiohttp_client: Any, tmp_path: Pa
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "failed"
 
 
-async def test_admin_token(aiohttp_client: Any, checkpoint: Path, llm: LLMEngine) -> None:
-    client = await start(aiohttp_client, daemon_config(checkpoint, admin_token="s3cret"), llm)
-    resp = await client.post("/admin/drain")
-    assert resp.status == 401
-    assert (await resp.json())["error"]["code"] == "invalid_admin_token"
-    ok = await client.post("/admin/drain", headers={"Authorization": "Bearer s3cret"})
+async def test_admin_token(client: Any) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN}):
+        resp = await client.post("/admin/drain", headers=headers)
+        assert resp.status == 401
+        assert (await resp.json())["error"]["code"] == "invalid_admin_token"
+    assert client.app[STATE_KEY].phase.value == "serving"
+    ok = await client.post("/admin/drain", headers=ADMIN)
     assert ok.status == 200 and (await ok.json())["status"] == "drained"
+
+
+async def test_admin_is_closed_without_a_token(
+    aiohttp_client: Any, checkpoint: Path, llm: LLMEngine
+) -> None:
+    client = await start(aiohttp_client, daemon_config(checkpoint), llm)
+    for path in ("/admin/drain", "/admin/undrain"):
+        resp = await client.post(path, headers=ADMIN)
+        assert resp.status == 403 and resp.content_type == "application/json"
+        assert (await resp.json())["error"]["code"] == "admin_disabled"
+    assert (await client.get("/health")).status == 200
 
 
 async def test_engine_error_mid_stream(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = client.app[STATE_KEY].runner
     original = runner.run
 
-    async def failing(rid: str, ids: Any, params: Any, peer: str | None = None) -> Any:
-        async with contextlib.aclosing(original(rid, ids, params, peer)) as outputs:
+    async def failing(
+        rid: str, ids: Any, params: Any, peer: str | None = None, salt: str | None = None
+    ) -> Any:
+        async with contextlib.aclosing(original(rid, ids, params, peer, salt)) as outputs:
             async for out in outputs:
                 yield out
                 raise EngineError("engine failure: boom")
@@ -232,4 +254,22 @@ async def test_engine_error_mid_stream(client: Any, monkeypatch: pytest.MonkeyPa
     resp = await client.post("/v1/completions", json={**LONG, "stream": False})
     assert resp.status == 500
     assert (await resp.json())["error"]["type"] == "server_error"
-    assert await metric(client, 'edgeinfer_requests_total{outcome="error"}') == 2
+    assert await metric(client, 'edgeinfer_requests_total{outcome="error",tenant=""}') == 2
+
+
+async def test_every_kv_transfer_latency_is_counted() -> None:
+    metrics = DaemonMetrics()
+    stats = TransferStats(observe_latency=metrics.kv_transfer_time)
+
+    def count() -> float:
+        metrics.sync_transfer_stats(stats, "sent")  # what a scrape does first
+        for line in metrics.render().decode().splitlines():
+            if line.startswith("edgeinfer_kv_transfer_seconds_count "):
+                return float(line.split()[1])
+        raise AssertionError("no kv_transfer_seconds histogram")
+
+    assert count() == 0
+    for i in range(5000):  # far more than one scrape interval's worth under load
+        stats.record_ok(0.001 * (i % 7))
+    assert count() == 5000
+    assert count() == 5000  # a second scrape adds nothing

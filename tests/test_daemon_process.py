@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import zmq
 from click.testing import CliRunner
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -20,6 +23,8 @@ from daemon_helpers import build_checkpoint, free_port
 from edgeinfer.daemon.config import load_daemon_config
 from edgeinfer.daemon.main import EXIT_CONFIG, EXIT_RUNTIME, main
 from edgeinfer.shared.errors import ConfigError
+from edgeinfer.shared.heartbeat import Heartbeat
+from service_helpers import EVENT_TIMEOUT_S, daemon_cmd, spawn
 
 # Keeps the KV allocation (and so start-up) small; the real default is a byte budget.
 SMALL_ENV = {"EDGEINFER_NUM_KV_BLOCKS": "64", "EDGEINFER_MAX_MODEL_LEN": "512"}
@@ -49,7 +54,7 @@ def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0
 def test_daemon_process_with_openai_client(checkpoint: Path, tmp_path: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "edgeinfer.daemon.main", "--model", str(checkpoint)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--kv-port", str(free_port())]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--kv-port", "0", "--heartbeat-port", "0"]
     log = (tmp_path / "daemon.log").open("wb")
     proc = subprocess.Popen(cmd, env={**os.environ, **SMALL_ENV}, stdout=log, stderr=log)
     try:
@@ -92,8 +97,8 @@ def test_daemon_process_with_openai_client(checkpoint: Path, tmp_path: Path) -> 
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="nope", prompt="hi")
         with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model=model, prompt="hi", n=2)
-        assert info.value.param == "n"
+            client.completions.create(model=model, prompt="hi", best_of=2)
+        assert info.value.param == "best_of"
     finally:
         proc.terminate()
         try:
@@ -103,6 +108,50 @@ def test_daemon_process_with_openai_client(checkpoint: Path, tmp_path: Path) -> 
             proc.wait()
         log.close()
     assert proc.returncode == 0, (tmp_path / "daemon.log").read_text()
+
+
+@pytest.mark.slow
+def test_two_daemons_on_one_host_with_every_port_0(checkpoint: Path, tmp_path: Path) -> None:
+    """Port 0 everywhere: each daemon binds free ports and reports the ones it got (log line,
+    /v1/state, heartbeats), so a second daemon on the host needs no port planning."""
+    ports = ["--port", "0", "--kv-port", "0", "--heartbeat-port", "0"]
+    env = {**SMALL_ENV, "EDGEINFER_HEARTBEAT_INTERVAL_S": "0.2"}
+    services = [
+        spawn(daemon_cmd(checkpoint, *ports, "--pop", name), tmp_path, name, 0, env)
+        for name in ("first", "second")
+    ]
+    try:
+        bound = []
+        for s in services:
+            s.port = int(s.wait_output(r"listening on http://127\.0\.0\.1:(\d+)")[1])
+            wait_healthy(s.port, s.popen, timeout=EVENT_TIMEOUT_S)
+            with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/v1/state") as r:
+                state = json.load(r)
+            kv, hb = state["kv_endpoint"], state["heartbeat_endpoint"]
+            assert f"KV transfer on {kv}, heartbeats on {hb}" in s.output()
+            bound += [s.port, int(kv.rsplit(":", 1)[1]), int(hb.rsplit(":", 1)[1])]
+            beat = first_heartbeat(hb)
+            assert (beat.daemon_id, beat.kv_endpoint) == (f"http://127.0.0.1:{s.port}", kv)
+        assert 0 not in bound and len(set(bound)) == 6
+    finally:
+        for s in services:
+            s.popen.send_signal(signal.SIGTERM)
+        codes = [s.popen.wait(EVENT_TIMEOUT_S) for s in services]
+    assert codes == [0, 0], [s.output() for s in services]
+
+
+def first_heartbeat(endpoint: str) -> Heartbeat:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        # The first heartbeat went out before this subscribed: this is a later one.
+        assert sub.poll(EVENT_TIMEOUT_S * 1000), f"no heartbeat from {endpoint}"
+        return Heartbeat.decode(sub.recv())
+    finally:
+        sub.close(linger=0)
+        ctx.term()
 
 
 def invoke(args: list[str]) -> tuple[int, str]:
@@ -140,6 +189,20 @@ def test_port_in_use_exits_1(checkpoint: Path) -> None:
         code, out = invoke(["--model", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)])
     assert code == EXIT_RUNTIME
     assert out.startswith(f"edge-daemon: error: cannot listen on 127.0.0.1:{port}")
+
+
+def test_zmq_port_in_use_exits_1_before_loading(tmp_path: Path) -> None:
+    """Every port is bound before the model loads: a taken heartbeat port is reported at once
+    (the missing model would fail later, were the load ever reached)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--port", "0"]
+        code, out = invoke([*args, "--heartbeat-port", str(port)])
+    assert code == EXIT_RUNTIME
+    expected = f"cannot listen on 127.0.0.1:{port} (heartbeat_port): Address already in use"
+    assert out == f"edge-daemon: error: {expected}\n"
 
 
 def test_config_layers_and_engine_config(tmp_path: Path) -> None:

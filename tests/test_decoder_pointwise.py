@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from edgeinfer.daemon.engine.model import RMSNorm
 from edgeinfer.daemon.engine.rope import Rotation, apply_rotary
 from edgeinfer.kernels import decoder_pointwise as pw
-from edgeinfer.kernels import native_build
+from native_helpers import require_native
 
-pytestmark = pytest.mark.skipif(
-    native_build.compiler() is None or not pw.available(),
-    reason="no C++ compiler here (or EDGEINFER_NATIVE_KERNELS=0): the torch ops serve",
-)
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    require_native("decoder_pointwise")  # skips without a compiler; a failed build fails
+
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = [1, 7, 300]  # a decode row, a small batch, a prefill chunk (parallel path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -103,17 +102,16 @@ async def test_curve_encrypted_transfer(checkpoint: Path, tmp_path: Path) -> Non
         client_curve=ClientCurve(client_secret, server_public),
     ) as pair:
         assert await remote_generate(pair, "curve-ok", prompt) == want
-        # A client whose key is not allowed is refused at the handshake, not left hanging.
+        # A client whose key is not allowed is refused at the handshake, not left hanging: the
+        # reason says so, long before this timeout (a hang guard) could end the wait.
         stranger = RemotePrefillClient(
-            pair.decode, curve=ClientCurve(stranger_secret, server_public), timeout_s=5.0
+            pair.decode, curve=ClientCurve(stranger_secret, server_public), timeout_s=60.0
         )
-        start = time.monotonic()
         try:
             with pytest.raises(PrefillFailed) as failure:
                 await stranger.prefill("curve-stranger", prompt, GREEDY, pair.endpoint)
         finally:
             await stranger.close()
         assert failure.value.reason == "handshake_failed"
-        assert time.monotonic() - start < 3.0
         assert pair.decode_blocks_used() == 0
         assert pair.server.stats.transfers_started == 1

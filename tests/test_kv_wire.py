@@ -44,6 +44,7 @@ SMALL_MESSAGES: list[Message] = [
     PrefillRequest(
         "r", 0, (1, 2, 3), {"temperature": 0.7, "stop": ["\n"], "bias": {"7": -1.0}}, (0, 2), LAYOUT
     ),
+    PrefillRequest("r", 0, (1, 2, 3), {}, (), LAYOUT, "3f2a" * 8),
     FirstToken("r", 4, 17, -0.25, ((17, -0.25), (3, -2.0)), 3, False),
     FirstToken("r", 0, 2, None, (), 1, True),
     ErrorReply("r", 1, "capacity", "KV cache full"),
@@ -145,6 +146,7 @@ def test_payload_frames_are_zero_copy() -> None:
             "malformed",
         ),
         (lambda a: PrefillRequest("r", 0, (), {}, (), LAYOUT), "malformed"),
+        (lambda a: PrefillRequest("r", 0, (1,), {}, (), LAYOUT, ""), "malformed"),
         (lambda a: WireLayout("float32", 0, 1, 1, 1), "malformed"),
     ],
 )
@@ -182,6 +184,28 @@ def test_decode_rejects(frames: list[bytes], reason: str) -> None:
     with pytest.raises(WireError) as info:
         decode(frames)
     assert info.value.reason == reason
+
+
+def prefill_header(**fields: Any) -> dict[str, Any]:
+    header = msgpack.unpackb(bytes(encode(SMALL_MESSAGES[0])[0])[4:])
+    return {**header, **fields}
+
+
+def test_cache_salt_is_optional_on_the_wire() -> None:
+    # Unsalted requests leave the field out: a peer that predates it reads them unchanged.
+    assert "cache_salt" not in prefill_header()
+    got = decode(with_header(prefill_header()))
+    assert isinstance(got, PrefillRequest) and got.cache_salt is None
+    got = decode(with_header(prefill_header(cache_salt="tenant-a")))
+    assert isinstance(got, PrefillRequest) and got.cache_salt == "tenant-a"
+
+
+@pytest.mark.parametrize("salt", [7, None, "", "x" * 257, ["a"], b"bytes"])
+def test_bad_cache_salt_is_refused_naming_the_request(salt: Any) -> None:
+    with pytest.raises(WireError) as info:
+        decode(with_header(prefill_header(rid="req-5", cache_salt=salt)))
+    assert info.value.reason == "malformed" and info.value.rid == "req-5"
+    assert "cache_salt" in str(info.value)
 
 
 def test_error_names_rid_once_known() -> None:
@@ -246,6 +270,7 @@ _FIELDS = [
     "sampling",
     "held_blocks",
     "layout",
+    "cache_salt",
     "token",
     "logprob",
     "top_logprobs",

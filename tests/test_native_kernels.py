@@ -1,5 +1,6 @@
 """The compiled C++ attention kernels (decode and prefill): parity with a float64 oracle, their
-guards, the build cache, and the engine's fallback to the portable kernels when they are off."""
+guards, the build cache, every kernel built for x86-64-v2, x86-64-v3 and this CPU, and the
+engine's fallback to the portable kernels when they are off."""
 
 from __future__ import annotations
 
@@ -13,17 +14,25 @@ from transformers import AutoModelForCausalLM
 from edgeinfer.daemon.engine import cpu_attention
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.rope import Rotation
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
 from edgeinfer.kernels import decoder_pointwise, native_build, skinny_gemm
 from edgeinfer.kernels import paged_attention_native as native
 from engine_helpers import assert_matches, hf_greedy, random_prompts
+from native_helpers import require_native
 from test_paged_attention import LENGTHS, check, make_cache, naive_attention, naive_decode
 
-needs_compiler = pytest.mark.skipif(
-    native_build.compiler() is None or not native.available(),
-    reason="no C++ compiler here (or EDGEINFER_NATIVE_KERNELS=0): the numba kernel serves",
-)
+KERNELS = ("paged_decode_attention", "paged_prefill_attention", "decoder_pointwise", "skinny_gemm")
+
+
+@pytest.fixture
+def native_attention() -> None:
+    require_native("paged_decode_attention", "paged_prefill_attention")
+
+
+# Skips without a compiler (the numba kernel serves); a failed build fails.
+needs_compiler = pytest.mark.usefixtures("native_attention")
 
 
 @needs_compiler
@@ -189,6 +198,78 @@ def test_build_is_cached_per_source_and_host(tmp_path, monkeypatch):
     assert not list(first.parent.glob(".*"))  # no temporary left behind
 
 
+def test_each_target_builds_its_own_library(tmp_path, monkeypatch):
+    require_native("skinny_gemm")
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
+    native = native_build.build("skinny_gemm", "native")
+    v3 = native_build.build("skinny_gemm", "x86-64-v3")
+    assert native != v3 and "x86-64-v3" in v3.name and "x86-64-v3" not in native.name
+    monkeypatch.setenv(native_build.ENV_MARCH, "x86-64-v3")
+    assert native_build.build("skinny_gemm") == v3  # the environment names the default target
+
+
+@pytest.fixture
+def at_march(request, monkeypatch):
+    """Every kernel wrapper loading its library built for ``request.param``."""
+    march = request.param
+    require_native(*KERNELS, march=march)
+    wrappers = (skinny_gemm._kernel, decoder_pointwise._library)
+    wrappers += (native._decode_kernel, native._prefill_kernel)
+    monkeypatch.setenv(native_build.ENV_MARCH, march)
+    for cached in wrappers:
+        cached.cache_clear()
+    yield march
+    monkeypatch.undo()
+    for cached in wrappers:
+        cached.cache_clear()
+
+
+@pytest.mark.parametrize("at_march", native_build.MARCHES, indirect=True)
+def test_every_kernel_at_every_target(at_march):
+    # The same sources built for SSE4.2 (v2), AVX2 (v3) and this CPU: each against torch.
+    gen = torch.Generator().manual_seed(0)
+    for rows in range(1, skinny_gemm.max_rows() + 1):
+        for out_f, in_f in ((960, 576), (37, 100), (5, 17)):
+            w, x = torch.randn(out_f, in_f, generator=gen), torch.randn(rows, in_f, generator=gen)
+            b = torch.randn(out_f, generator=gen)
+            prepared = skinny_gemm.prepare(w)
+            assert prepared is not None
+            got = skinny_gemm.skinny_linear(x, prepared, b)
+            expected = torch.nn.functional.linear(x.double(), w.double(), b.double())
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = (
+            {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        )
+        x = torch.randn(7, 64, generator=gen).to(dtype)
+        delta = torch.randn(7, 64, generator=gen).to(dtype)
+        weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+        total, normed = decoder_pointwise.add_rms_norm(x, delta, weight, 1e-5)
+        reference = torch.nn.functional.rms_norm((x + delta).float(), (64,), weight.float(), 1e-5)
+        torch.testing.assert_close(total, x + delta)
+        torch.testing.assert_close(normed.float(), reference, **tol)
+        gate_up = torch.randn(7, 128, generator=gen).to(dtype)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        silu = torch.nn.functional.silu(gate) * up
+        torch.testing.assert_close(decoder_pointwise.silu_mul(gate_up).float(), silu, **tol)
+        qk = torch.randn(7, 4, 64, generator=gen).to(dtype)
+        emb = torch.rand(7, 32, generator=gen).repeat(1, 2) * 10
+        rot = Rotation.build(emb.cos(), emb.sin(), dtype)
+        expected_qk = rot.apply(qk)
+        torch.testing.assert_close(
+            decoder_pointwise.rotate_(qk, rot.cos, rot.signed_sin), expected_qk, **tol
+        )
+        k_cache, v_cache, tables, lens = make_cache(LENGTHS, 2, 64, 16, dtype)
+        q = torch.randn(len(LENGTHS), 6, 64).to(dtype)
+        out = native.paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125)
+        check(out, naive_decode(q, k_cache, v_cache, tables, lens, 0.125), dtype)
+        k_cache, v_cache, tables, _ = make_cache([42], 2, 64, 16, dtype)
+        q = torch.randn(37, 6, 64).to(dtype)
+        out = native.paged_prefill_attention_native(q, k_cache, v_cache, tables[0], 5, 0.125)
+        qpos = torch.arange(5, 42)
+        check(out, naive_attention(q, k_cache, v_cache, tables[0], 42, qpos, 0.125), dtype)
+
+
 @needs_compiler
 def test_loading_keeps_subnormal_floats():
     # Linking with -ffast-math would add crtfastmath.o, which turns on flush-to-zero for the
@@ -202,25 +283,38 @@ def test_loading_keeps_subnormal_floats():
 def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails every build
-    native_build.load.cache_clear()
-    native_build._host_fingerprint.cache_clear()
+    native_build.clear_cache()
     try:
         with caplog.at_level(logging.WARNING, logger=native_build.__name__):
             assert native_build.load("paged_decode_attention") is None
         assert "using the portable one" in caplog.text
+        assert "failed" in (native_build.load_error("paged_decode_attention") or "")
         assert not list((tmp_path / "kernels").iterdir())  # nothing half-built kept
     finally:
-        native_build.load.cache_clear()
-        native_build._host_fingerprint.cache_clear()
+        native_build.clear_cache()
+
+
+def test_a_failed_build_fails_the_tests_instead_of_skipping_them(tmp_path, monkeypatch):
+    # With a compiler present, a kernel that no longer compiles must not read as "skipped".
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv(native_build.ENV_SWITCH, "1")
+    native_build.clear_cache()
+    try:
+        with pytest.raises(native_build.NativeBuildError, match="failed"):
+            require_native("skinny_gemm")
+    finally:
+        native_build.clear_cache()
 
 
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(native_build.ENV_SWITCH, "0")
-    native_build.load.cache_clear()
+    native_build.clear_cache()
     try:
         assert native_build.load("paged_decode_attention") is None
+        assert "switched off" in (native_build.load_error("paged_decode_attention") or "")
     finally:
-        native_build.load.cache_clear()
+        native_build.clear_cache()
 
 
 def test_engine_without_the_native_kernel_matches_hf(tmp_path, monkeypatch):

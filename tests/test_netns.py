@@ -28,6 +28,7 @@ import pytest
 
 import netns
 from daemon_helpers import build_checkpoint
+from e2e_helpers import DAEMON_KEY
 
 pytestmark = pytest.mark.slow
 DELAYS_MS = {"pop-a": 5.0, "pop-b": 40.0, "pop-c": 120.0}
@@ -97,17 +98,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "EDGEINFER_SERVED_MODEL_NAME": "tiny", "EDGEINFER_ADMIN_TOKEN": TOKEN,
                 "EDGEINFER_NUM_KV_BLOCKS": "128", "EDGEINFER_MAX_MODEL_LEN": "512",
                 "EDGEINFER_NUM_THREADS": "1", "EDGEINFER_HEARTBEAT_INTERVAL_S": "0.3",
+                # The router's key: only key-bearing requests may name a prefill daemon.
+                "EDGEINFER_API_KEY": DAEMON_KEY,
             }  # fmt: skip
             spawn(topo.exec(link.ns, daemon), workdir / f"{link.pop}.log", env, procs)
             pops.append(pop.format(link.pop, link.pop_addr, HTTP))
         token = workdir / "admin-token"
         token.write_text(TOKEN)
+        daemon_key = workdir / "daemon-key"
+        daemon_key.write_text(DAEMON_KEY + "\n")
         config = workdir / "router.toml"
         # `here` is a PoP with daemons: the selector only uses measured RTTs when the router's
         # own PoP is among the daemons' PoPs (a daemon-less router PoP ignores them).
         config.write_text(
             f'[router]\nlisten = "127.0.0.1:{ROUTER_PORT}"\nhere = "pop-a"\n'
-            f'admin_token_file = "{token}"\nheartbeat_interval_s = 0.3\n'
+            f'admin_token_file = "{token}"\ndaemon_api_key_file = "{daemon_key}"\n'
+            "heartbeat_interval_s = 0.3\n"
             "discovery_interval_s = 0.5\nrtt_probe_interval_s = 0.3\n" + "".join(pops)
         )
         router = [sys.executable, "-m", "edgeinfer.router.main", "--config", str(config)]

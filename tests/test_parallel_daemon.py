@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -55,13 +54,11 @@ def test_tp2_daemon_serves_and_dies_cleanly_with_a_rank(tmp_path: Path) -> None:
         workers = worker_ranks(daemon.popen.pid)
         assert len(workers) == 1, workers
         os.kill(workers[0], signal.SIGKILL)
-        start = time.monotonic()
         try:
-            code = daemon.popen.wait(30)
+            code = daemon.popen.wait(120)  # a hang guard: the daemon notices within seconds
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the daemon outlived its rank by 30 s:\n{daemon.output()}")
+            pytest.fail(f"the daemon outlived its rank by 120 s:\n{daemon.output()}")
         assert code != 0
-        assert time.monotonic() - start < 30
         assert "the engine failed: parallel engine failed: rank 1" in daemon.output()
         with pytest.raises(OSError):  # nobody listens any more
             http_get(daemon.url + "/health", timeout=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ async def test_list_pops_reports_daemons_learned_from_themselves(cluster: Cluste
     assert daemon["url"] == cluster.fra.url and daemon["kv_endpoint"] == cluster.fra.kv_endpoint
     assert (daemon["role"], daemon["model"], daemon["state"]) == ("both", MODEL, "up")
     assert (daemon["kv_free"], daemon["ttft_p50_ms"]) == (0.75, 42.0)
-    assert 0 <= daemon["heartbeat_age_s"] < 1
+    assert daemon["heartbeat_age_s"] >= 0  # and fresh: "up" means within the router's limit
 
 
 @pytest.mark.asyncio
@@ -82,6 +82,7 @@ async def test_unknown_pop_or_daemon_is_404(cluster: Cluster) -> None:
 @pytest.mark.asyncio
 async def test_drain_under_a_stream_of_requests(cluster: Cluster) -> None:
     cluster.fra.chunk_delay_s = cluster.nyc.chunk_delay_s = 0.02
+    cluster.fra.gate = asyncio.Event()  # fra's streams hold after one chunk until it is set
     ids = itertools.count()
     results: list[tuple[str, float, int, bool]] = []
     stop = asyncio.Event()
@@ -93,13 +94,19 @@ async def test_drain_under_a_stream_of_requests(cluster: Cluster) -> None:
                 done = (await r.read()).endswith(b"data: [DONE]\n\n")
                 results.append((prompt, started, r.status, done))
 
+    async def until(condition: Callable[[], bool]) -> None:
+        async with asyncio.timeout(60):  # a hang guard: each wait ends at its event
+            while not condition():
+                await asyncio.sleep(0.005)
+
     tasks = [asyncio.create_task(client()) for _ in range(4)]
-    await asyncio.sleep(0.3)
+    await until(lambda: cluster.fra.in_flight > 0)
     status, body = await admin(cluster, "POST", "/pops/fra/drain")
     acked = time.monotonic()
     assert status == 200 and body["draining"] is True and body["daemon_errors"] == {}
     assert body["in_flight"] > 0  # streams were running there when the drain was taken
-    await asyncio.sleep(0.3)
+    cluster.fra.gate.set()
+    await until(lambda: any(started > acked and done for _, started, _, done in results))
     stop.set()
     await asyncio.gather(*tasks)
 

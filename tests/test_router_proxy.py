@@ -1,4 +1,9 @@
-"""The router's proxy against fake daemons: placement headers, retries, SSE pass-through."""
+"""The router's proxy against fake daemons: placement headers, retries, SSE pass-through.
+
+Retry policy: a placement is retried only when the request never reached the daemon (connect
+error) or the daemon refused it with a 503; once a daemon accepted it, a failure reaches the
+client and no other daemon sees the request.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import zmq
 from edgeinfer.router.app import RouterSetup
 from edgeinfer.router.config import load_pops, load_router_config
 from edgeinfer.router.openai_api import request_features
-from edgeinfer.router.proxy import SseFramer
+from edgeinfer.router.relay import SseFramer, _SilenceTimer
 from router_helpers import (
     COMPLETION,
     MODEL,
@@ -75,13 +80,112 @@ async def test_down_daemon_is_retried_not_a_client_error(cluster: Cluster) -> No
 
 
 @pytest.mark.asyncio
-async def test_5xx_before_first_byte_is_retried(cluster: Cluster) -> None:
+async def test_a_503_refusal_is_retried(cluster: Cluster) -> None:
     cluster.fra.fail_status = 503
     async with await cluster.post({**COMPLETION, "stream": True}) as resp:
         assert resp.status == 200
         assert resp.headers["x-edge-decode-pop"] == "nyc"
         assert (await read_events(resp))[-1] == b"data: [DONE]"
     assert len(cluster.fra.seen) == 1 and len(cluster.nyc.seen) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_refusing_the_routers_key_is_never_the_clients_401(
+    cluster: Cluster,
+) -> None:
+    cluster.fra.fail_status = 401  # the router's daemon_api_key_file is wrong for fra
+    async with await cluster.post() as resp:
+        assert resp.status == 200 and resp.headers["x-edge-decode-pop"] == "nyc"
+    cluster.nyc.fail_status = 401
+    async with await cluster.post() as resp:
+        assert resp.status == 502
+        error = (await resp.json())["error"]
+    assert error["code"] == "upstream_failed" and "daemon_api_key_file" in error["message"]
+
+
+@pytest.mark.asyncio
+async def test_another_5xx_is_the_daemons_answer_not_retried(cluster: Cluster) -> None:
+    cluster.fra.fail_status = 500
+    async with await cluster.post() as resp:
+        assert resp.status == 500
+        assert resp.headers["x-edge-decode-pop"] == "fra"
+        assert (await resp.json())["error"]["message"] == "boom"
+    assert len(cluster.fra.seen) == 1 and not cluster.nyc.seen
+
+
+@pytest.mark.asyncio
+async def test_a_silent_non_streaming_generation_is_answered_once(tmp_path: Path) -> None:
+    # The daemon answers a non-streaming request only when the whole generation is done: a
+    # silence far past read_timeout_s is normal there and must not fail or move it.
+    async with start_cluster(tmp_path, extra={"read_timeout_s": "0.05"}) as cluster:
+        cluster.fra.body_delay_s = 1.0  # 20 windows of silence
+        async with await cluster.post() as resp:
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["text"] == "Hello!"
+        assert len(cluster.fra.seen) == 1 and not cluster.nyc.seen
+
+
+@pytest.mark.asyncio
+async def test_daemon_dying_after_its_headers_is_not_retried(cluster: Cluster) -> None:
+    cluster.fra.die_after_headers = True
+    async with await cluster.post() as resp:
+        assert resp.status == 200  # the headers were the daemon's; the body is cut short
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+    assert len(cluster.fra.seen) == 1 and not cluster.nyc.seen
+
+
+@pytest.mark.asyncio
+async def test_daemon_dropping_an_accepted_request_is_a_502_not_a_retry(cluster: Cluster) -> None:
+    # The connection was up and the request sent: the daemon may have started, so no retry.
+    cluster.fra.drop_request = True
+    async with await cluster.post() as resp:
+        assert resp.status == 502
+        assert resp.content_type == "application/json"
+        error = (await resp.json())["error"]
+    assert error["code"] == "upstream_failed" and error["type"] == "server_error"
+    assert len(cluster.fra.seen) == 1 and not cluster.nyc.seen
+
+
+@pytest.mark.asyncio
+async def test_a_daemon_whose_heartbeats_stop_ends_its_requests(tmp_path: Path) -> None:
+    # Its host vanished: the connection stays open and silent, only the heartbeats tell.
+    async with start_cluster(tmp_path) as cluster:
+        cluster.fra.body_delay_s = 3600.0
+        pending = asyncio.ensure_future(cluster.post())
+        while not cluster.fra.seen:
+            await asyncio.sleep(0.01)
+        await cluster.fra.stop_heartbeats()
+        async with await asyncio.wait_for(pending, 10) as resp:
+            assert resp.status == 502
+            error = (await resp.json())["error"]
+        assert "heartbeats" in error["message"] and error["code"] == "upstream_failed"
+        assert not cluster.nyc.seen
+
+
+@pytest.mark.asyncio
+async def test_request_timeout_bounds_the_whole_request(tmp_path: Path) -> None:
+    async with start_cluster(tmp_path, extra={"request_timeout_s": "0.3"}) as cluster:
+        cluster.fra.body_delay_s = 3600.0
+        async with await cluster.post() as resp:
+            assert resp.status == 504
+            assert (await resp.json())["error"]["code"] == "timeout"
+        cluster.fra.hang = True  # a stream: headers, one event, then silence
+        async with await cluster.post({**COMPLETION, "stream": True}) as resp:
+            assert resp.status == 200
+            events = await read_events(resp)
+        assert "request_timeout_s" in orjson.loads(events[1][6:])["error"]["message"]
+        assert events[-1] == b"data: [DONE]" and not cluster.nyc.seen
+
+
+@pytest.mark.asyncio
+async def test_a_silent_stream_ends_after_read_timeout(tmp_path: Path) -> None:
+    async with start_cluster(tmp_path, extra={"read_timeout_s": "0.2"}) as cluster:
+        cluster.fra.hang = True
+        async with await cluster.post({**COMPLETION, "stream": True}) as resp:
+            events = await read_events(resp)
+        assert "read_timeout_s" in orjson.loads(events[1][6:])["error"]["message"]
+        assert not cluster.nyc.seen
 
 
 @pytest.mark.asyncio
@@ -126,13 +230,21 @@ async def test_client_disconnect_reaches_the_daemon(cluster: Cluster) -> None:
 
 
 @pytest.mark.asyncio
-async def test_client_cannot_choose_the_prefill_daemon(cluster: Cluster) -> None:
-    headers = {"x-edge-prefill": "tcp://evil:1", "Authorization": "Bearer user-key"}
+async def test_client_cannot_choose_the_prefill_daemon_or_speak_for_the_router(
+    cluster: Cluster,
+) -> None:
+    headers = {
+        "x-edge-prefill": "tcp://evil:1", "x-edge-tenant": "someone-else",
+        "x-edge-cache-salt": "their-salt", "Authorization": "Bearer user-key",
+        "Cookie": "session=1", "x-custom": "kept",
+    }  # fmt: skip
     async with await cluster.post(headers=headers) as resp:
         assert resp.status == 200
-    seen = cluster.fra.seen[0]["headers"]
-    assert seen.get("x-edge-prefill") != "tcp://evil:1"
-    assert seen["Authorization"] == "Bearer user-key"  # end-to-end headers do pass
+    seen = {k.lower(): v for k, v in cluster.fra.seen[0]["headers"].items()}
+    assert not any(k.startswith("x-edge-") for k in seen)
+    # The client's credentials are its business with the router, never a daemon's.
+    assert "authorization" not in seen and "cookie" not in seen
+    assert seen["x-custom"] == "kept"  # other end-to-end headers do pass
 
 
 @pytest.mark.asyncio
@@ -191,3 +303,17 @@ async def test_decode_daemon_is_told_where_its_prefill_runs(tmp_path: Path) -> N
     assert decode.seen[0]["headers"]["x-edge-prefill"] == prefill.kv_endpoint
     assert (headers["x-edge-prefill-pop"], headers["x-edge-decode-pop"]) == ("nyc", "fra")
     assert not prefill.seen
+
+
+@pytest.mark.asyncio
+async def test_only_waiting_on_the_daemon_counts_as_silence() -> None:
+    loop = asyncio.get_running_loop()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(None) as limit:
+            silence = _SilenceTimer(loop, limit, 0.05)
+            # Writing to a slow client for four windows: not the daemon's silence.
+            await asyncio.sleep(0.2)
+            assert not silence.fired
+            silence.waiting_since = loop.time()
+            await asyncio.sleep(10)  # the daemon says nothing: the limit expires
+    assert silence.fired

@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 from edgeinfer.daemon.engine import linear as linear_module
 from edgeinfer.daemon.engine.linear import Linear
-from edgeinfer.kernels import native_build, skinny_gemm
+from edgeinfer.kernels import skinny_gemm
+from native_helpers import require_native
 
-pytestmark = pytest.mark.skipif(
-    native_build.compiler() is None or not skinny_gemm.available(),
-    reason="no C++ compiler here (or EDGEINFER_NATIVE_KERNELS=0): oneDNN serves every step",
-)
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    require_native("skinny_gemm")  # skips without a compiler; a failed build fails
 
 
 @pytest.mark.parametrize("rows", list(range(1, 9)))

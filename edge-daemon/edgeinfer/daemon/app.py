@@ -15,19 +15,23 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from edgeinfer.daemon.api.caller import caller_middleware, stamp_request_id
 from edgeinfer.daemon.api.errors import error_middleware
 from edgeinfer.daemon.api.handlers import add_api_routes, add_wrong_role_routes
 from edgeinfer.daemon.api.ops import add_ops_routes
 from edgeinfer.daemon.api.protocol import ModelInfo
+from edgeinfer.daemon.api.tokenize_pool import POOL_KEY, TokenizePool
 from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.listeners import Listeners
 from edgeinfer.daemon.load_report import LoadTracker
 from edgeinfer.daemon.metrics import DaemonMetrics
 from edgeinfer.daemon.serving import RequestRunner
 from edgeinfer.daemon.state import CONFIG_KEY, METRICS_KEY, STATE_KEY, ServingState
 from edgeinfer.daemon.transfer_plane import TransferPlane, TransferPlaneError
 from edgeinfer.shared.errors import EdgeInferError
+from edgeinfer.shared.openapi import add_openapi_route
 from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -40,25 +44,41 @@ class DaemonError(EdgeInferError):
     """The daemon cannot start or keep running: port in use, model not loadable."""
 
 
-def build_app(config: DaemonConfig, *, engine: LLMEngine | None = None) -> web.Application:
+def build_app(
+    config: DaemonConfig, *, engine: LLMEngine | None = None, listeners: Listeners | None = None
+) -> web.Application:
     """The daemon's app; ``engine`` reuses an already loaded engine (tests) instead of loading
-    ``config.model``. The app owns the engine's thread, not the engine."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    ``config.model``. The app owns the engine's thread, not the engine. ``listeners``: the
+    ZeroMQ ports bound at start-up (``main``); without them the sockets bind their own."""
+    # The caller middleware runs inside the error one, so a 401 too is an OpenAI error body.
+    app = web.Application(
+        middlewares=[error_middleware, caller_middleware], client_max_size=MAX_BODY_BYTES
+    )
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = DaemonMetrics()
     app[STATE_KEY] = ServingState()
-    app.cleanup_ctx.append(functools.partial(_engine_ctx, prebuilt=engine))
+    app[POOL_KEY] = TokenizePool()
+    app.on_response_prepare.append(stamp_request_id)
+    app.on_cleanup.append(_stop_pool)
+    app.cleanup_ctx.append(functools.partial(_engine_ctx, prebuilt=engine, listeners=listeners))
     add_ops_routes(app)
     if config.serves_api:
         add_api_routes(app)
+        add_openapi_route(app)
     else:
         add_wrong_role_routes(app)
     return app
 
 
-async def _engine_ctx(app: web.Application, *, prebuilt: LLMEngine | None) -> AsyncIterator[None]:
+async def _stop_pool(app: web.Application) -> None:
+    app[POOL_KEY].shutdown()
+
+
+async def _engine_ctx(
+    app: web.Application, *, prebuilt: LLMEngine | None, listeners: Listeners | None
+) -> AsyncIterator[None]:
     state = app[STATE_KEY]
-    loader = asyncio.create_task(_load(app, prebuilt), name="edgeinfer-load")
+    loader = asyncio.create_task(_load(app, prebuilt, listeners), name="edgeinfer-load")
     yield
     await cancel_and_wait(loader)
     if state.plane is not None:
@@ -68,7 +88,9 @@ async def _engine_ctx(app: web.Application, *, prebuilt: LLMEngine | None) -> As
         await state.engine.stop()
 
 
-async def _load(app: web.Application, prebuilt: LLMEngine | None) -> None:
+async def _load(
+    app: web.Application, prebuilt: LLMEngine | None, listeners: Listeners | None
+) -> None:
     config = app[CONFIG_KEY]
     state = app[STATE_KEY]
     try:
@@ -86,7 +108,7 @@ async def _load(app: web.Application, prebuilt: LLMEngine | None) -> None:
     llm = engine.engine
     metrics = app[METRICS_KEY]
     load = LoadTracker(config, engine, metrics, state.load_status)
-    plane = TransferPlane(config, engine, load)
+    plane = TransferPlane(config, engine, load, metrics, listeners)
     try:
         await plane.start()
     except TransferPlaneError as exc:
@@ -102,6 +124,7 @@ async def _load(app: web.Application, prebuilt: LLMEngine | None) -> None:
         vocab_size=llm.model_config.vocab_size,
         max_model_len=llm.max_model_len,
         kv_capacity_tokens=bm.num_blocks * bm.block_size,
+        tool_call_parser=config.tool_call_parser,
     )
     state.loaded(engine, RequestRunner(engine, config, metrics, plane), model)
     log.info(

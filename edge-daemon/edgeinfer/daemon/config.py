@@ -29,6 +29,8 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 _PEER_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 CONFIG_SECTION = "daemon"
+# The tool-call formats the API reads (edgeinfer.daemon.api.tool_parsers).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,13 @@ class DaemonConfig:
     # ---- what to serve ----
     model: str | None = None  # a checkpoint directory, "tiny", or None for the built-in model
     served_model_name: str | None = None  # the name clients send; default: the model spec
+    # hermes | llama3_json | mistral; None: the format the chat template shows (else hermes)
+    tool_call_parser: str | None = None
     dtype: DType = "auto"
     role: Role = "both"
     # ---- where ----
     host: str = "0.0.0.0"
+    # Port 0 is any free port: the daemon binds before loading and reports the port it got.
     port: int = 8000
     kv_port: int = 5600
     heartbeat_port: int = 5601  # ZeroMQ PUB socket routers subscribe to
@@ -61,6 +66,9 @@ class DaemonConfig:
     curve_allowed_clients_dir: Path | None = None  # public keys of allowed decode daemons
     # ---- operations ----
     admin_token: str | None = None  # when set, /admin/* needs "Authorization: Bearer <token>"
+    # When set, /v1/* needs "Authorization: Bearer <api_key>" (the router's daemon key), and
+    # only such requests may steer the daemon through x-edge-* headers.
+    api_key: str | None = None
     drain_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
     # ---- engine sizing (defaults are EngineConfig's) ----
     device: str = EngineConfig.device
@@ -81,10 +89,13 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         for name in ("port", "kv_port", "heartbeat_port"):
             value = getattr(self, name)
-            if not 1 <= value <= 65535:
-                raise ConfigError(f"config key '{name}' must be in [1, 65535], got {value}")
+            if not 0 <= value <= 65535:
+                raise ConfigError(
+                    f"config key '{name}' must be in [0, 65535] (0: any free port), got {value}"
+                )
         ports = {"port": self.port, "kv_port": self.kv_port, "heartbeat_port": self.heartbeat_port}
-        if len(set(ports.values())) != len(ports):
+        fixed = [p for p in ports.values() if p != 0]
+        if len(set(fixed)) != len(fixed):
             raise ConfigError(f"port, kv_port and heartbeat_port must differ, got {ports}")
         for name in ("kv_timeout_s", "heartbeat_interval_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
@@ -104,6 +115,11 @@ class DaemonConfig:
             raise ConfigError(
                 "config key 'curve_server_public_key' needs 'curve_secret_key' too: "
                 "a CURVE client must hold its own key pair"
+            )
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ConfigError(
+                f"config key 'tool_call_parser' must be one of {TOOL_CALL_PARSERS}, "
+                f"got {self.tool_call_parser!r}"
             )
         if self.served_model_name == "":
             raise ConfigError("config key 'served_model_name' must not be empty")

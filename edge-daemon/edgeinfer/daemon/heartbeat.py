@@ -5,23 +5,27 @@ their PoP table, a daemon does not know the routers). PUB never blocks: a router
 gone only loses heartbeats, which is the right failure for data that is stale after one period.
 
 The schema lives in :mod:`edgeinfer.shared.heartbeat`. The publisher owns the fields that
-describe the *stream* (``v``, ``seq``, ``started_at``, ``sent_at``); the ``state`` callback
-supplies the rest, as a mapping or as a whole :class:`Heartbeat` whose stream fields are replaced.
+describe the *stream* (``v``, ``seq``, ``started_at``, ``sent_at``, ``kv_event_seq``); the
+``state`` callback supplies the rest, as a mapping or as a whole :class:`Heartbeat` whose stream
+fields are replaced. With a :class:`~edgeinfer.daemon.kv_events.KvEventLog` it also sends the
+prefix cache's change batches, on the same socket so that a router receives every batch before
+the heartbeat that counts it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
+from edgeinfer.daemon.kv_events import KvEventLog
 from edgeinfer.shared.heartbeat import HEARTBEAT_VERSION, Heartbeat
 from edgeinfer.shared.tasks import cancel_and_wait
 
@@ -29,8 +33,9 @@ log = logging.getLogger(__name__)
 
 StateFn = Callable[[], Heartbeat | Mapping[str, Any]]
 
-# Heartbeats are worthless once the next one exists; keep almost none queued per router.
-_SEND_HWM = 4
+# Heartbeats are worthless once the next one exists, but cache events are not: a router that
+# falls this many messages behind loses some, sees the gap in their seq and fetches a snapshot.
+_SEND_HWM = 1000
 
 
 class RateMeter:
@@ -93,7 +98,11 @@ class HeartbeatPublisher:
         *,
         context: zmq.asyncio.Context | None = None,
         started_at: float | None = None,
+        listen_fd: int | None = None,
+        events: KvEventLog | None = None,
     ) -> None:
+        """``listen_fd``: a TCP socket already bound and listening (the daemon binds its ports
+        at start-up) that the PUB socket adopts instead of binding ``bind`` itself."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.bind = bind
@@ -101,6 +110,10 @@ class HeartbeatPublisher:
         self._state = state
         self._context = context or zmq.asyncio.Context.instance()
         self.started_at = time.time() if started_at is None else started_at
+        self._listen_fd = listen_fd
+        self.events = events
+        self._events_ready = asyncio.Event()
+        self._events_task: asyncio.Task[None] | None = None
         self.endpoint: str | None = None  # the resolved address once bound (port 0 / "*")
         self._seq = 0
         self._socket: zmq.asyncio.Socket | None = None
@@ -117,12 +130,27 @@ class HeartbeatPublisher:
         sock = self._context.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        if self._listen_fd is not None:
+            sock.setsockopt(zmq.USE_FD, self._listen_fd)
         sock.bind(self.bind)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = sock
         self._task = asyncio.create_task(self._run(), name="heartbeat-publisher")
+        if self.events is not None:
+            loop, ready = asyncio.get_running_loop(), self._events_ready
+
+            def wake() -> None:
+                loop.call_soon_threadsafe(ready.set)
+
+            self.events.on_push = wake
+            self._events_task = asyncio.create_task(self._run_events(), name="kv-events")
 
     async def stop(self) -> None:
+        if self.events is not None:
+            self.events.on_push = lambda: None
+        if self._events_task is not None:
+            await cancel_and_wait(self._events_task)
+            self._events_task = None
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
@@ -136,11 +164,12 @@ class HeartbeatPublisher:
             raise RuntimeError("heartbeat publisher not started")
         state = self._state()
         if isinstance(state, Heartbeat):
-            state = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+            state = msgspec.structs.asdict(state)
         hb = Heartbeat(
             **{
                 **state,
                 "v": HEARTBEAT_VERSION,
+                "kv_event_seq": self.events.published_seq if self.events is not None else 0,
                 "seq": self._seq,
                 "started_at": self.started_at,
                 "sent_at": time.time(),
@@ -164,3 +193,23 @@ class HeartbeatPublisher:
             # Fixed-rate schedule; after a stall skip the missed beats instead of bursting them.
             next_at = max(next_at + self.interval_s, loop.time())
             await asyncio.sleep(next_at - loop.time())
+
+    async def _run_events(self) -> None:
+        events, sock = self.events, self._socket
+        if events is None or sock is None:
+            return
+        while True:
+            await self._events_ready.wait()
+            self._events_ready.clear()
+            msg = events.take()
+            if msg is None:
+                continue
+            # A full queue drops for the slow router only (PUB never blocks); its gap check
+            # recovers. published_seq moves on either way: the batch exists, it was offered.
+            # A batch that could not be sent at all shows as a gap too (the next one's first_seq).
+            try:
+                await sock.send(msg.encode())
+            except zmq.ZMQError:
+                log.exception("prefix-cache events %d..%d not sent", msg.first_seq, msg.seq)
+                continue
+            events.published_seq = msg.seq

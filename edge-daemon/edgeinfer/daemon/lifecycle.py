@@ -1,4 +1,5 @@
-"""The daemon's life under a service manager: loading progress, then the drain on SIGTERM.
+"""The daemon's life under a service manager: loading progress, the drain on SIGTERM, and the
+exit when a stop comes while the model loads.
 
 ``main.serve`` owns the order (listen, load, READY=1, serve, drain, stop); the steps with more
 than a line to them live here so that it stays readable. Notifications go to systemd through
@@ -8,8 +9,14 @@ than a line to them live here so that it stays readable. Notifications go to sys
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
+import sys
 import time
+from pathlib import Path
+from typing import NoReturn
 
 from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.errors import EngineError
@@ -63,3 +70,35 @@ async def first_of(*events: asyncio.Event, timeout: float | None = None) -> None
     finally:
         for w in waiters:
             w.cancel()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without finalizing the interpreter, for a stop while the model loads.
+
+    The load runs in a thread that cannot be interrupted inside torch, and finalizing the
+    interpreter under it kills the process with a signal (SIGSEGV as torch's and OpenMP's
+    globals are torn down, SIGABRT "terminate called without an active exception" when the
+    thread is unwound through C++ frames). Waiting for it is not a prompt stop: loading takes
+    seconds to minutes. Nothing needs the finalization either: no request was served, the HTTP
+    server is closed, and what a load writes (the converted built-in model, compiled kernels) is
+    built aside and renamed into place, under a lock the kernel drops with the process. What
+    is left is done here: the load's child processes (a compiler, pip, parallel ranks' fork
+    server) get SIGTERM, and the logs are flushed.
+    """
+    for pid in _child_processes():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def _child_processes() -> list[int]:
+    """Pids of this process's children (Linux lists them per thread that started them)."""
+    pids: list[int] = []
+    for listing in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(pid) for pid in listing.read_text().split()]
+    return pids

@@ -20,6 +20,7 @@ from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.outputs import EngineStats
 from edgeinfer.daemon.heartbeat import RateMeter
+from edgeinfer.daemon.kv_events import kv_bytes_per_token, tokenizer_id
 from edgeinfer.daemon.metrics import DaemonMetrics
 from edgeinfer.shared.tasks import cancel_and_wait
 
@@ -42,6 +43,8 @@ class LoadTracker:
         self._decode = RateMeter()
         self._lock = threading.Lock()  # the meters are fed by the engine thread
         self._task: asyncio.Task[None] | None = None
+        # The served model's constants for the router (read from the engine at start).
+        self.invariants: dict[str, Any] = {}
         engine.on_step = self._on_step
 
     def _on_step(self, seconds: float, prompt_tokens: int, generated: int) -> None:
@@ -62,6 +65,17 @@ class LoadTracker:
         return self.stats
 
     async def start(self) -> None:
+        cfg = self.config
+        kv_bytes, tok_id = await self.engine.call(
+            lambda e: (kv_bytes_per_token(e), tokenizer_id(e))
+        )
+        self.invariants = {
+            "kv_bytes_per_token": kv_bytes,
+            "local_prefill_threshold": cfg.local_prefill_threshold,
+            "prefill_chunk_tokens": cfg.max_num_batched_tokens,
+            "tokenizer_id": tok_id,
+            "prefix_caching": cfg.enable_prefix_caching,
+        }
         await self.refresh()
         self._task = asyncio.create_task(self._run(), name="edgeinfer-load-report")
 
@@ -75,6 +89,10 @@ class LoadTracker:
             await asyncio.sleep(self.config.heartbeat_interval_s / 2)
             await self.refresh()
 
+    @property
+    def daemon_id(self) -> str:
+        return f"http://{self.config.public_host}:{self.config.port}"
+
     def heartbeat(self) -> dict[str, Any]:
         """The heartbeat fields this daemon owns (the publisher adds v, seq and times)."""
         cfg, s = self.config, self.stats
@@ -83,7 +101,7 @@ class LoadTracker:
         ttft = list(self.metrics.recent_ttft)
         itl = list(self.metrics.recent_itl)
         return {
-            "daemon_id": f"http://{cfg.public_host}:{cfg.port}",
+            "daemon_id": self.daemon_id,
             "pop": cfg.pop,
             "role": cfg.role,
             "model": cfg.model_name,
@@ -101,4 +119,5 @@ class LoadTracker:
             "draining": draining,
             "drained": drained,
             "in_flight": in_flight,
+            **self.invariants,
         }

@@ -117,9 +117,9 @@ class DaemonMetrics:
         )
         self.requests = Counter(
             PREFIX + "requests",
-            "Generation requests by outcome: success, client_disconnect, invalid, "
-            "rejected (draining), error.",
-            ["outcome"],
+            "Generation requests by outcome (success, client_disconnect, invalid, rejected "
+            "(draining), error) and tenant (the router's, on requests with the daemon key).",
+            ["outcome", "tenant"],
             registry=reg,
         )
         self.prompt_tokens = Counter(
@@ -197,8 +197,8 @@ class DaemonMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def outcome(self, outcome: Outcome) -> None:
-        self.requests.labels(outcome=outcome).inc()
+    def outcome(self, outcome: Outcome, tenant: str | None = None) -> None:
+        self.requests.labels(outcome=outcome, tenant=tenant or "").inc()
 
     # ---- KV transfer (called by the transfer code) ---------------------------------------
     def kv_bytes(self, direction: KVDirection, n: int) -> None:
@@ -215,15 +215,12 @@ class DaemonMetrics:
 
     def sync_transfer_stats(self, stats: TransferStats, direction: KVDirection) -> None:
         """Move what the transfer code counted since the last scrape into the Prometheus
-        metrics (the transfer code stays free of prometheus_client)."""
+        metrics (the transfer code stays free of prometheus_client). Latencies are not here:
+        the stats hand each to :meth:`kv_transfer_time` as it happens."""
         seen = self._synced.setdefault(id(stats), _Seen())
         kv = stats.kv_bytes_sent if direction == "sent" else stats.kv_bytes_received
         self.kv_bytes(direction, kv - seen.kv_bytes)
         seen.kv_bytes = kv
-        new = min(stats.latency_count - seen.latencies, len(stats.latency_samples))
-        for latency in list(stats.latency_samples)[len(stats.latency_samples) - new :]:
-            self.kv_transfer_time(latency)
-        seen.latencies = stats.latency_count
         for reason, count in stats.failures.items():
             self._kv_failures.labels(reason=reason).inc(count - seen.failures[reason])
             seen.failures[reason] = count
@@ -237,7 +234,6 @@ class _Seen:
     """What :meth:`DaemonMetrics.sync_transfer_stats` already exported of one stats object."""
 
     kv_bytes: int = 0
-    latencies: int = 0
     failures: CounterDict[str] = field(default_factory=CounterDict)
     dropped: CounterDict[str] = field(default_factory=CounterDict)
 

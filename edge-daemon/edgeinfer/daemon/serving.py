@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
@@ -42,30 +42,40 @@ class RequestRunner:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         prefill_peer: str | None = None,
+        cache_salt: str | None = None,
+        local: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the outputs of one request until it finishes.
+        """Yield the outputs of one request until it finishes; ``cache_salt`` (see
+        :mod:`~edgeinfer.daemon.api.cache_salt`) keeps its prefix-cache blocks apart.
+        ``local`` prefills here whatever peers there are (a later choice of an ``n`` > 1
+        request, whose prompt the first choice left in this daemon's prefix cache).
 
         ``prefill_peer`` is the ZeroMQ endpoint of a prefill daemon the request asked for (the
         ``x-edge-prefill`` header or ``kv_transfer_params.prefill_endpoint``), or None. A
         decode daemon prefills remotely unless the uncached part of the prompt is shorter than
-        ``local_prefill_threshold``; when every peer fails it prefills locally.
+        ``local_prefill_threshold``; when every peer fails it prefills locally. A request that
+        asks for prompt logprobs is prefilled locally: the scores come from the prefill's
+        logits, which a peer does not send (only KV pages and the first token travel).
 
         Closing the iterator before the last output aborts the request and frees its KV blocks
         at once; callers must close it (``contextlib.aclosing``) when they stop early.
         """
         timer = self.metrics.timer()
-        peers = await self._remote_peers(prompt_ids, prefill_peer)
+        remote = not local and params.prompt_logprobs is None
+        peers = await self._remote_peers(prompt_ids, prefill_peer, cache_salt) if remote else []
         stream = (
-            self._run_remote(request_id, prompt_ids, params, peers)
+            self._run_remote(request_id, prompt_ids, params, peers, cache_salt)
             if peers
-            else self.engine.generate(request_id, prompt_ids, params)
+            else self.engine.generate(request_id, prompt_ids, params, cache_salt=cache_salt)
         )
         async with contextlib.aclosing(stream):
             async for out in stream:
                 timer.observe(out)
                 yield out
 
-    async def _remote_peers(self, prompt_ids: Sequence[int], requested: str | None) -> list[str]:
+    async def _remote_peers(
+        self, prompt_ids: Sequence[int], requested: str | None, cache_salt: str | None
+    ) -> list[str]:
         plane = self.plane
         if plane is None or plane.client is None:
             return []
@@ -73,7 +83,9 @@ class RequestRunner:
         if not peers:
             return []
         ids = list(prompt_ids)
-        cached = await self.engine.call(lambda e: e.cached_prefix_tokens(ids))
+        cached = await self.engine.call(
+            lambda e: e.cached_prefix_tokens(ids, cache_salt=cache_salt)
+        )
         if len(ids) - cached < self.config.local_prefill_threshold:
             return []  # shipping this little KV costs more than computing it here
         return peers
@@ -84,6 +96,7 @@ class RequestRunner:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         peers: list[str],
+        cache_salt: str | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         plane = self.plane
         if plane is None or plane.client is None:
@@ -94,13 +107,17 @@ class RequestRunner:
             first = None
             for peer in peers:
                 try:
-                    first = await plane.client.prefill(request_id, prompt_ids, params, peer)
+                    first = await plane.client.prefill(
+                        request_id, prompt_ids, params, peer, cache_salt=cache_salt
+                    )
                     break
                 except PrefillFailed as exc:
                     log.warning("prefill at %s failed (%s): %s", peer, exc.reason, exc)
             if first is None:
                 log.info("prefilling %s locally: no prefill peer succeeded", request_id)
-                await self.engine.call(lambda e: e.add_request(request_id, prompt_ids, params))
+                await self.engine.call(
+                    lambda e: e.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
+                )
             else:
                 finished = first.finished
                 yield first
@@ -112,6 +129,35 @@ class RequestRunner:
             self.engine.close_stream(request_id)
             if not finished and self.engine.is_alive:
                 await self.engine.call(lambda e: e.abort_request(request_id))
+
+
+def share_prefill(
+    first: AsyncGenerator[RequestOutput, None],
+    later: Sequence[Callable[[], AsyncGenerator[RequestOutput, None]]],
+) -> list[AsyncGenerator[RequestOutput, None]]:
+    """Choices of one prompt: ``first`` runs at once, each of ``later`` starts when ``first``
+    yielded its first output (its prompt is then computed and its full blocks are in the
+    prefix cache, so the others compute only the last partial block) or ended."""
+    ready = asyncio.Event()
+
+    async def lead() -> AsyncGenerator[RequestOutput, None]:
+        try:
+            async with contextlib.aclosing(first):
+                async for out in first:
+                    ready.set()
+                    yield out
+        finally:
+            ready.set()
+
+    async def follow(
+        start: Callable[[], AsyncGenerator[RequestOutput, None]],
+    ) -> AsyncGenerator[RequestOutput, None]:
+        await ready.wait()
+        async with contextlib.aclosing(start()) as stream:
+            async for out in stream:
+                yield out
+
+    return [lead(), *(follow(start) for start in later)]
 
 
 async def merge_streams(

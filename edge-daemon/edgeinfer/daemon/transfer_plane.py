@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import zmq
 import zmq.asyncio
@@ -17,9 +18,11 @@ import zmq.asyncio
 from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.heartbeat import HeartbeatPublisher
+from edgeinfer.daemon.kv_events import KvEventLog
 from edgeinfer.daemon.kv_transfer.decode_client import ClientCurve, RemotePrefillClient
 from edgeinfer.daemon.kv_transfer.prefill_server import PrefillServer, ServerCurve
 from edgeinfer.daemon.kv_transfer.stats import TransferStats
+from edgeinfer.daemon.listeners import Listeners
 from edgeinfer.daemon.load_report import LoadTracker
 from edgeinfer.daemon.metrics import DaemonMetrics
 from edgeinfer.shared.errors import EdgeInferError
@@ -32,14 +35,26 @@ class TransferPlaneError(EdgeInferError):
 
 
 class TransferPlane:
-    def __init__(self, config: DaemonConfig, engine: AsyncEngine, load: LoadTracker) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        engine: AsyncEngine,
+        load: LoadTracker,
+        metrics: DaemonMetrics,
+        listeners: Listeners | None = None,
+    ) -> None:
+        """``listeners``: the sockets the daemon bound at start-up; without them (tests) each
+        ZeroMQ socket binds its port itself."""
         self.config = config
+        self.listeners = listeners
         self.engine = engine
         self.load = load
+        self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
         self.server: PrefillServer | None = None
         self.client: RemotePrefillClient | None = None
         self.publisher: HeartbeatPublisher | None = None
+        self.kv_events: KvEventLog | None = None  # None: prefix caching off, nothing to tell
 
     async def start(self) -> None:
         cfg = self.config
@@ -53,8 +68,9 @@ class TransferPlane:
                     cfg.zmq_bind(cfg.kv_port),
                     ctx=self.ctx,
                     curve=curve,
-                    stats=TransferStats(),
+                    stats=TransferStats(observe_latency=self.metrics.kv_transfer_time),
                     request_timeout_s=max(cfg.kv_timeout_s * 4, 30.0),
+                    listen_fd=self.listeners.take_kv() if self.listeners else None,
                 )
                 await self.server.start()
                 log.info("serving prefills on %s", cfg.kv_endpoint)
@@ -66,15 +82,24 @@ class TransferPlane:
                     self.engine,
                     ctx=self.ctx,
                     curve=client_curve,
-                    stats=TransferStats(),
+                    stats=TransferStats(observe_latency=self.metrics.kv_transfer_time),
                     timeout_s=cfg.kv_timeout_s,
                 )
             await self.load.start()
+            started_at = time.time()
+            if cfg.enable_prefix_caching:
+                events = KvEventLog(self.load.daemon_id, started_at)
+                await self.engine.call(events.attach)
+                self.engine.on_kv_events = events.push
+                self.kv_events = events
             self.publisher = HeartbeatPublisher(
                 cfg.zmq_bind(cfg.heartbeat_port),
                 cfg.heartbeat_interval_s,
                 self.load.heartbeat,
                 context=self.ctx,
+                listen_fd=self.listeners.take_heartbeat() if self.listeners else None,
+                started_at=started_at,
+                events=self.kv_events,
             )
             await self.publisher.start()
         except (zmq.ZMQError, OSError) as exc:
@@ -117,5 +142,6 @@ class TransferPlane:
             await self.client.close()
         if self.publisher is not None:
             await self.publisher.stop()
+        self.engine.on_kv_events = None
         await self.load.stop()
         self.ctx.destroy(linger=0)

@@ -8,8 +8,9 @@ of cache.
 
 float32 or bfloat16 CPU tensors; bf16 rounds where transformers' bf16 ops round (see the C++
 file), so results equal the torch formulation up to float32 summation order.
-:func:`supports` says whether the library built and takes a tensor; callers keep the torch
-ops otherwise.
+:func:`supports` says whether the library built and takes a tensor; :func:`runs` also asks
+the op's route (by token count, set from the engine's kernel trials: where the compiled op did
+not beat the torch ops on this host, they run); callers keep the torch ops otherwise.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ import torch
 from torch import Tensor
 
 from edgeinfer.kernels import native_build
+from edgeinfer.kernels.kernel_choice import SizeRoute
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+OPS = ("rms_norm", "add_rms_norm", "rotate", "silu_mul")
+# (op, dtype) -> the token counts (first dim) at which the op runs here; absent: every count.
+_routes: dict[tuple[str, torch.dtype], SizeRoute] = {}
 
 
 @functools.cache
@@ -57,6 +62,25 @@ def available() -> bool:
 def supports(x: Tensor) -> bool:
     """Whether these ops take ``x`` (float32 or bfloat16, on the CPU, with the library built)."""
     return x.dtype in _SUFFIX and x.device.type == "cpu" and available()
+
+
+def runs(op: str, x: Tensor) -> bool:
+    """Whether ``op`` (one of :data:`OPS`) takes ``x`` here: :func:`supports` and the op's
+    route at ``x``'s token count (its first dim)."""
+    if not supports(x):
+        return False
+    route = _routes.get((op, x.dtype))
+    return route is None or route(x.shape[0] if x.dim() else 1)
+
+
+def set_route(op: str, dtype: torch.dtype, route: SizeRoute | None) -> None:
+    """Where ``op`` on ``dtype`` tensors runs from now on (None: wherever it takes them)."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}: one of {', '.join(OPS)}")
+    if route is None:
+        _routes.pop((op, dtype), None)
+    else:
+        _routes[op, dtype] = route
 
 
 def _fn(name: str, x: Tensor) -> Any:

@@ -17,7 +17,9 @@ query heads of its KV head, so grouped-query attention needs no expanded copy.
   on SmolLM2's heads, float32: 1.2x at 224 tokens, 1.7-1.8x at 384-1024.
 
 :func:`available` says whether the libraries built (see :mod:`edgeinfer.kernels.native_build`);
-callers keep portable kernels for hosts where they did not.
+callers keep portable kernels for hosts where they did not, and where these lost to them when
+timed at load (the engine's ``kernel_trials``; e.g. prefill at 1 thread on an AVX-512 Xeon, where
+torch's flash SDPA was 1.0-2x faster).
 """
 
 from __future__ import annotations

@@ -37,13 +37,13 @@ _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
 
 
-def _widen(x):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced when compiled
+def _widen(x):  # pragma: no cover - replaced when compiled
     """A stored value as float32 (compiled per dtype by the overload below)."""
     raise NotImplementedError
 
 
 @overload(_widen, inline="always")
-def _widen_impl(x):  # type: ignore[no-untyped-def]
+def _widen_impl(x):
     if isinstance(x, types.Float):
         return lambda x: np.float32(x)
     if x == types.uint16:
@@ -52,18 +52,18 @@ def _widen_impl(x):  # type: ignore[no-untyped-def]
     return None
 
 
-def _narrow(x, like):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced when compiled
+def _narrow(x, like):  # pragma: no cover - replaced when compiled
     """float32 ``x`` in the storage type of ``like`` (compiled per dtype)."""
     raise NotImplementedError
 
 
 @overload(_narrow, inline="always")
-def _narrow_impl(x, like):  # type: ignore[no-untyped-def]
+def _narrow_impl(x, like):
     if isinstance(like, types.Float):
         return lambda x, like: np.float32(x)
     if like == types.uint16:
 
-        def to_bf16_bits(x, like):  # type: ignore[no-untyped-def]
+        def to_bf16_bits(x, like):
             bits = np.float32(x).view(np.uint32)
             # Round to nearest, ties to even, on the 16 bits that are dropped (finite x).
             odd = (bits >> np.uint32(16)) & np.uint32(1)
@@ -74,7 +74,7 @@ def _narrow_impl(x, like):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", fastmath=True)
-def _exp_nonpositive(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+def _exp_nonpositive(x):  # pragma: no cover - compiled
     """e^x for x <= 0 (a score minus its row's maximum); below -87 it returns ~1e-38."""
     x = max(x, np.float32(-87.0))
     n = np.floor(x * _LOG2E + np.float32(0.5))

@@ -6,7 +6,10 @@ projections (2 EPYC cores, float32) oneDNN's packed matmul read 20-30 GB/s at 1-
 smaller weights worst (a fixed ~40 us per call); this kernel keeps the weight in panels of 16
 outputs (``[ceil(out / 16), in, 16]``, made once by :func:`prepare`) and computes outer
 products over them, no horizontal sums, several panels streaming at once: 1.4x oneDNN at one
-row, 1.1x at eight (``bench/cpu_kernels.py``). Callers use it up to :func:`max_rows` rows.
+row, 1.1x at eight (``bench/cpu_kernels.py``). The panel width is the build's vector width
+(16 floats with AVX-512, 8 with AVX2). Callers use it up to :func:`max_rows` rows, at the row
+counts where it beat oneDNN on this host (:attr:`SkinnyWeight.route`, set by the engine's
+kernel trials).
 
 float32 only: bf16 weights stay on oneDNN, whose bf16 dot products read them faster.
 """
@@ -21,15 +24,27 @@ import torch
 from torch import Tensor
 
 from edgeinfer.kernels import native_build
+from edgeinfer.kernels.kernel_choice import SizeRoute
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class SkinnyWeight:
     """A ``[out, in]`` float32 weight laid out in panels for :func:`skinny_linear`."""
 
-    panels: Tensor  # [ceil(out / 16), in, 16], outputs past `out` zero
+    panels: Tensor  # [ceil(out / width), in, width], outputs past `out` zero
     out_features: int
     in_features: int
+    max_rows: int  # rows one call takes
+    route: SizeRoute | None = None  # the row counts it runs at; None: every one it takes
+
+    def runs(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows takes this kernel (else oneDNN)."""
+        return 0 < rows <= self.max_rows and (self.route is None or self.route(rows))
+
+    def retire(self) -> None:
+        """Never run it (it lost at every row count): the panels' memory is given back."""
+        self.route = SizeRoute({1: False})
+        self.panels = self.panels.new_empty(0)
 
 
 class _Kernel:
@@ -79,7 +94,7 @@ def prepare(weight: Tensor) -> SkinnyWeight | None:
     padded[:out_features] = weight.detach()
     # [count, panel, in] -> [count, in, panel]: a panel's row k is its outputs' weights for input k
     panels = padded.view(count, kernel.panel, in_features).transpose(1, 2).contiguous()
-    return SkinnyWeight(panels, out_features, in_features)
+    return SkinnyWeight(panels, out_features, in_features, kernel.max_rows)
 
 
 def skinny_linear(x: Tensor, weight: SkinnyWeight, bias: Tensor | None = None) -> Tensor:
@@ -97,6 +112,10 @@ def skinny_linear(x: Tensor, weight: SkinnyWeight, bias: Tensor | None = None) -
         bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()
     ):
         raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} does not fit the weight")
+    if weight.panels.shape != (-(-out_features // kernel.panel), in_features, kernel.panel):
+        raise ValueError(
+            "the weight's panels were given back (retire) or laid out for another build"
+        )
     rows = x.numel() // in_features
     if rows > kernel.max_rows:
         raise ValueError(f"{rows} rows is more than the kernel's {kernel.max_rows}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from edgeinfer.shared.errors import EdgeInferError
 
@@ -28,12 +29,22 @@ class RouterClientError(EdgeInferError):
     """The router could not be reached or refused the call; the message is for the operator."""
 
 
+# Where edgectl's own --router/--token (given before the command) wait for the command.
+_BEFORE_COMMAND = "edgectl.before_command."
+
+
 def router_options(func: F) -> F:
-    """``--router`` and ``--token``, shared by every command that talks to a router."""
+    """``--router`` and ``--token``, shared by every command that talks to a router.
+
+    Either may come after the command or before it (``edgectl --router URL drain POP``, as
+    kubectl takes its global flags, see :func:`global_router_options`); the command's own flag
+    wins, then the one before it, then the environment, then the default.
+    """
     func = click.option(
         "--token",
         envvar="EDGEINFER_ADMIN_TOKEN",
         show_envvar=True,
+        callback=_after_command_first,
         help="Admin bearer token of the router.",
     )(func)
     return click.option(
@@ -43,8 +54,37 @@ def router_options(func: F) -> F:
         show_envvar=True,
         default=DEFAULT_ROUTER,
         show_default=True,
+        callback=_after_command_first,
         help="Base URL of the router.",
     )(func)
+
+
+def global_router_options(func: F) -> F:
+    """``--router`` and ``--token`` on edgectl itself, for the commands that take them."""
+    func = click.option(
+        "--token",
+        expose_value=False,
+        callback=_keep_for_command,
+        help="Admin bearer token, for the commands that talk to a router.",
+    )(func)
+    return click.option(
+        "--router",
+        "router_url",
+        expose_value=False,
+        callback=_keep_for_command,
+        help="Base URL of the router, for the commands that talk to one.",
+    )(func)
+
+
+def _keep_for_command(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.meta[_BEFORE_COMMAND + str(param.name)] = value
+
+
+def _after_command_first(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    if ctx.get_parameter_source(str(param.name)) is ParameterSource.COMMANDLINE:
+        return value
+    return ctx.meta.get(_BEFORE_COMMAND + str(param.name), value)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ Nothing here imports the engine: the daemons load their models in their own proc
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import sys
 import time
@@ -59,6 +60,8 @@ class LocalCluster:
     router_log_level: str = "info"
     kv_cache_bytes: int = 128 << 20  # per daemon; the engine default (1 GiB) is for servers
     stop_timeout_s: float = 20.0
+    # The key the router presents to its daemons (their api_key): only it may use them.
+    daemon_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     procs: list[ChildProcess] = field(default_factory=list)
     roles: dict[str, str] = field(default_factory=dict)  # process name -> "router" or daemon role
 
@@ -76,12 +79,16 @@ class LocalCluster:
         token_file = self.workdir / "admin-token"
         token_file.write_text(self.token + "\n")
         token_file.chmod(0o600)
+        key_file = self.workdir / "daemon-key"
+        key_file.touch(0o600)  # never readable by others, not even between two calls
+        key_file.chmod(0o600)
+        key_file.write_text(self.daemon_key + "\n")
         members: dict[str, list[str]] = {}
         for pop in self.layout:
             for i, role in enumerate(pop.roles):
                 proc = self._daemon(f"{pop.name}-{role}-{i}", pop.name, role)
                 members.setdefault(pop.name, []).append(proc.url)
-        config = self._router_config(members, token_file)
+        config = self._router_config(members, token_file, key_file)
         cmd = [sys.executable, "-m", "edgeinfer.router.main", "--config", str(config)]
         self._spawn("router", "router", self.router_url, cmd, {})
 
@@ -96,18 +103,21 @@ class LocalCluster:
             "EDGEINFER_HEARTBEAT_PORT": str(hb_port),
             "EDGEINFER_HEARTBEAT_INTERVAL_S": "1.0",
             "EDGEINFER_ADMIN_TOKEN": self.token,
+            "EDGEINFER_API_KEY": self.daemon_key,
             "EDGEINFER_KV_CACHE_BYTES": str(self.kv_cache_bytes),
             # Several daemons share a laptop's cores: one torch thread each.
             "EDGEINFER_NUM_THREADS": "1",
         }
         return self._spawn(name, role, f"http://127.0.0.1:{port}", cmd, env)
 
-    def _router_config(self, members: dict[str, list[str]], token_file: Path) -> Path:
+    def _router_config(
+        self, members: dict[str, list[str]], token_file: Path, key_file: Path
+    ) -> Path:
         here = next(p.name for p in self.layout if "prefill" in p.roles)
         lines = ["[router]", f'listen = "127.0.0.1:{self.router_port}"', f'here = "{here}"',
-                 f'admin_token_file = "{token_file}"', f'log_level = "{self.router_log_level}"',
-                 "heartbeat_interval_s = 1.0", "discovery_interval_s = 0.5",
-                 f"local_prefill_max_tokens = {LOCAL_PREFILL_MAX_TOKENS}"]  # fmt: skip
+                 f'admin_token_file = "{token_file}"', f'daemon_api_key_file = "{key_file}"',
+                 f'log_level = "{self.router_log_level}"',
+                 "heartbeat_interval_s = 1.0", "discovery_interval_s = 0.5"]  # fmt: skip
         if self.geoip_db is not None:
             # Clients on this machine may claim any address: that is how you play one.
             lines += [f'geoip_db = "{self.geoip_db}"', 'trusted_proxies = ["127.0.0.1/32"]']

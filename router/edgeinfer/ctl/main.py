@@ -13,11 +13,14 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from edgeinfer.ctl.client import RouterClientError
+from edgeinfer.ctl.client import RouterClientError, global_router_options
 from edgeinfer.kernels.compression.errors import CompressionError
+from edgeinfer.shared.errors import ConfigError
 
 # Expected failures: reported in one line. Anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (CompressionError, RouterClientError, OSError)
+USER_ERRORS: tuple[type[Exception], ...] = (
+    CompressionError, RouterClientError, ConfigError, OSError,
+)  # fmt: skip
 
 
 class EdgectlGroup(click.Group):
@@ -34,14 +37,20 @@ class EdgectlGroup(click.Group):
 
 
 @click.group(cls=EdgectlGroup)
+@global_router_options
 def cli() -> None:
-    """Operate edgeinfer deployments."""
+    """Operate edgeinfer deployments.
+
+    --router and --token may come before the command (edgectl --router URL drain POP) or
+    after it; given in both places, the command's own wins.
+    """
 
 
 def _register() -> None:
     from edgeinfer.ctl.cluster import cluster
     from edgeinfer.ctl.compress import compress, decompress
     from edgeinfer.ctl.drain import drain, undrain
+    from edgeinfer.ctl.keys import keys
     from edgeinfer.ctl.plan import plan
     from edgeinfer.ctl.sim import sim
     from edgeinfer.ctl.status import status
@@ -54,6 +63,7 @@ def _register() -> None:
     cli.add_command(sim)
     cli.add_command(plan)
     cli.add_command(cluster)
+    cli.add_command(keys)
 
 
 _register()

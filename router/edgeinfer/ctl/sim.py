@@ -1,8 +1,10 @@
 """``edgectl sim``: simulate a deployment of many PoPs under a workload, policy by policy.
 
 Runs on this machine, no router needed: the placement is the router's own selector fed by
-simulated heartbeats (see docs/SIMULATION.md). Prints one row per policy; with ``--out`` also
-writes JSON and PNGs (TTFT CDFs, a world map of PoPs, utilisation over time).
+simulated heartbeats (see docs/SIMULATION.md). Prints one row per policy (``--format csv`` or
+``json`` for scripts: keys as :data:`edgeinfer.sim.output.FIELDS`, times in seconds); with
+``--out`` also writes JSON and PNGs (TTFT CDFs, a world map of PoPs, utilisation over time),
+for which matplotlib is needed (``pip install 'edgeinfer[sim]'``).
 """
 
 from __future__ import annotations
@@ -10,14 +12,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
 
+from edgeinfer.ctl.output import Format, console, emit, format_option
 from edgeinfer.shared.errors import EdgeInferError
 
+if TYPE_CHECKING:  # the simulator loads numpy: only when a command runs
+    from edgeinfer.sim.profile import ProfileKind
+
 POLICY_NAMES = ("router", "colocated", "nearest", "least-loaded", "round-robin")
+# The default with --trace (edgeinfer.sim.policies.PREFIX_TRACE_POLICIES).
+PREFIX_POLICY_NAMES = ("router-prefix-blind", "max-prefix", "session-hash", "prefix-aware")
 
 
 def scenario_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,39 +87,50 @@ def _outages(specs: tuple[str, ...], kind: str) -> list[Any]:
 @scenario_options
 @click.option("--split", default="1P:3D", show_default=True,
               help="GPUs per PoP as prefill:decode[:both], e.g. 1P:3D or 2P:5D:1B.")  # fmt: skip
-@click.option("--policy", "policies", multiple=True, type=click.Choice(POLICY_NAMES),
-              help="Repeatable; default all.")  # fmt: skip
+@click.option("--policy", "policies", multiple=True,
+              type=click.Choice(POLICY_NAMES + PREFIX_POLICY_NAMES),
+              help="Repeatable; default all but the prefix ones (with --trace: those).")  # fmt: skip
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Mooncake-format JSONL (hash_ids per 512 tokens) instead of --workload; "
+                   "--rate compresses its time.")  # fmt: skip
 @click.option("--fail", multiple=True, help="POP@START[-END]: power off a PoP (repeatable).")
 @click.option("--drain", multiple=True, help="POP@START[-END]: admin-drain a PoP (repeatable).")
-@click.option("--out", type=click.Path(path_type=Path), help="Write JSON and PNGs here.")
+@click.option("--out", type=click.Path(path_type=Path),
+              help="Write JSON and PNGs here (PNGs need the edgeinfer[sim] extra).")  # fmt: skip
+@format_option
 @sim_errors
 def sim(
     kind: str, rate: float, duration: float, pops: int, regions: str, hotspot: str,
-    heartbeat: float, ttft_slo: float, itl_slo: float, profile_kind: str, seed: int, split: str,
-    policies: tuple[str, ...], fail: tuple[str, ...], drain: tuple[str, ...], out: Path | None,
+    heartbeat: float, ttft_slo: float, itl_slo: float, profile_kind: ProfileKind, seed: int, split: str,
+    policies: tuple[str, ...], trace: Path | None, fail: tuple[str, ...], drain: tuple[str, ...],
+    out: Path | None, output_format: Format,
 ) -> None:  # fmt: skip
     """Simulate PoPs, clients and placement policies; compare goodput under the SLO."""
     from edgeinfer.sim.metrics import Slo
-    from edgeinfer.sim.output import summaries, table, write
+    from edgeinfer.sim.output import check_can_draw, rows, summaries, table, write
     from edgeinfer.sim.profile import EngineProfile
     from edgeinfer.sim.scenario import REGION_MIXES, WorkloadSpec, parse_hotspot, parse_split, run
     from edgeinfer.sim.simulator import SimConfig
     from edgeinfer.sim.topology import build_topology
 
+    if out is not None:
+        check_can_draw()
     slo = Slo(ttft_slo, itl_slo)
-    prof = EngineProfile.load(kind=profile_kind)  # type: ignore[arg-type]
-    work = WorkloadSpec(kind, rate, duration, regions, parse_hotspot(hotspot), seed=seed).build()
+    prof = EngineProfile.load(kind=profile_kind)
+    work = WorkloadSpec(kind, rate, duration, regions, parse_hotspot(hotspot), seed=seed,
+                        trace=trace).build()  # fmt: skip
     topo = build_topology(pops, parse_split(split), list(REGION_MIXES[regions]), seed)
     cfg = SimConfig(seed=seed, heartbeat_interval_s=heartbeat,
                     outages=tuple(_outages(fail, "fail") + _outages(drain, "drain")))  # fmt: skip
-    console = Console()
-    console.print(f"{len(work)} requests ({work.name}) over {len(topo.pops)} PoPs, "
-                  f"{topo.gpus} GPUs ({split} each), profile {prof.source}")  # fmt: skip
+    progress = console(output_format)
+    progress.print(f"{len(work)} requests ({work.name}) over {len(topo.pops)} PoPs, "
+                   f"{topo.gpus} GPUs ({split} each), profile {prof.source}")  # fmt: skip
     results = {}
-    for name in policies or POLICY_NAMES:
+    for name in policies or (PREFIX_POLICY_NAMES if trace else POLICY_NAMES):
         results[name] = run(name, topo, work, prof, cfg, slo)
-        console.print(f"  {name}: done in {results[name].cpu_s:.1f} CPU-s")
-    console.print(table(summaries(results, slo)))
+        progress.print(f"  {name}: done in {results[name].cpu_s:.1f} CPU-s")
+    sums = summaries(results, slo)
+    emit(output_format, rows(sums), lambda: table(sums))
     if out is not None:
         doc = write(results, slo, out, f"sim_{work.name}")
-        console.print(f"wrote {out}: {', '.join(doc['figures'])} and sim_{work.name}.json")
+        progress.print(f"wrote {out}: {', '.join(doc['figures'])} and sim_{work.name}.json")

@@ -2,6 +2,7 @@
 
 The table is built from the router's ``GET /admin/pops`` JSON only, so it shows what that
 router believes (the state placement decisions are made from), not what each daemon says.
+``--format csv|json`` gives the same, one row per daemon (:func:`status_rows`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ from typing import Any
 
 import click
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from edgeinfer.ctl.client import AdminClient, router_options
+from edgeinfer.ctl.output import Format, emit, format_option
 
-COLUMNS = ("PoP", "daemon", "role", "load", "KV free", "TTFT p50", "state", "heartbeat age")
+COLUMNS = (
+    "PoP", "daemon", "role", "load", "KV free", "TTFT p50", "prefix hits", "state",
+    "heartbeat age",
+)  # fmt: skip
 _NONE = "-"
 
 
@@ -23,14 +27,14 @@ def status_table(body: dict[str, Any]) -> Table:
     """The table for one ``/admin/pops`` answer; the router's own PoP is marked with ``*``."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for header in COLUMNS:
-        numeric = header in ("load", "KV free", "TTFT p50", "heartbeat age")
+        numeric = header in ("load", "KV free", "TTFT p50", "prefix hits", "heartbeat age")
         table.add_column(header, justify="right" if numeric else "left")
     here = body.get("here")
     for pop in body.get("pops", []):
         label = pop["name"] + (" *" if pop["name"] == here else "")
         daemons = pop.get("daemons", [])
         if not daemons:
-            table.add_row(label, _NONE, _NONE, _NONE, _NONE, _NONE, _pop_state(pop), _NONE)
+            table.add_row(label, *[_NONE] * 6, _pop_state(pop), _NONE)
         for i, d in enumerate(daemons):
             table.add_row(
                 label if i == 0 else "",
@@ -39,11 +43,34 @@ def status_table(body: dict[str, Any]) -> Table:
                 _load(d),
                 _percent(d.get("kv_free")),
                 _ms(d.get("ttft_p50_ms")),
+                _prefix(d),
                 _daemon_state(pop, d),
                 _age(d.get("heartbeat_age_s")),
                 end_section=i == len(daemons) - 1,
             )
     return table
+
+
+def status_rows(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per daemon, ``url`` naming it (a PoP without any: one row, its daemon fields
+    empty)."""
+    here = body.get("here")
+    rows = []
+    for pop in body.get("pops", []):
+        head = {"pop": pop["name"], "here": pop["name"] == here}
+        for d in pop.get("daemons", []) or [{}]:
+            rows.append(
+                head
+                | {key: d.get(key) for key in ("url", "role", "running", "waiting", "kv_free")}
+                | {
+                    "ttft_p50_ms": d.get("ttft_p50_ms"),
+                    "hit_blocks": d.get("hit_blocks"),
+                    "cached_blocks": d.get("cached_blocks"),
+                    "state": _daemon_state(pop, d) if d else _pop_state(pop),
+                    "heartbeat_age_s": d.get("heartbeat_age_s"),
+                }
+            )
+    return rows
 
 
 def _pop_state(pop: dict[str, Any]) -> str:
@@ -65,6 +92,14 @@ def _load(d: dict[str, Any]) -> str:
     return f"{running} run / {waiting or 0} wait"
 
 
+def _prefix(d: dict[str, Any]) -> str:
+    """Blocks this router's placements found cached there, of the blocks its index holds."""
+    hit, cached = d.get("hit_blocks"), d.get("cached_blocks")
+    if hit is None or cached is None:
+        return _NONE
+    return f"{hit} / {cached} blocks"
+
+
 def _percent(fraction: float | None) -> str:
     return _NONE if fraction is None else f"{fraction:.0%}"
 
@@ -79,11 +114,8 @@ def _age(seconds: float | None) -> str:
 
 @click.command()
 @router_options
-def status(router_url: str, token: str | None) -> None:
+@format_option
+def status(router_url: str, token: str | None, output_format: Format) -> None:
     """Show every PoP and daemon the router knows, with load and health."""
     body = AdminClient(router_url, token).pops()
-    console = Console()
-    if not console.is_terminal:
-        # Piped or captured: never wrap or truncate rows to a guessed 80 columns.
-        console.width = 1000
-    console.print(status_table(body))
+    emit(output_format, status_rows(body), lambda: status_table(body))

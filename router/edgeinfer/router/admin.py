@@ -83,8 +83,12 @@ def daemon_state(view: DaemonView) -> str:
     return "full" if view.reason == "KV cache full" else "down"
 
 
-def daemon_json(view: DaemonView, now: float) -> dict[str, Any]:
+def daemon_json(view: DaemonView, now: float, proxy: Proxy | None = None) -> dict[str, Any]:
     total = view.kv_blocks_total
+    # The prefix cache as this router knows it: blocks its index holds for the daemon, and
+    # blocks this router's placements found cached there (reused instead of computed).
+    cached = proxy.registry.prefix_index.held_by(view.url) if proxy is not None else None
+    hit = proxy.prefix_hit_blocks[view.url] if proxy is not None else None
     return {
         "url": view.url,
         "pop": view.pop,
@@ -99,6 +103,8 @@ def daemon_json(view: DaemonView, now: float) -> dict[str, Any]:
         "kv_free": view.kv_blocks_free / total if total else None,
         "ttft_p50_ms": None if view.ttft_p50_s is None else view.ttft_p50_s * 1000,
         "heartbeat_age_s": None if view.last_seen is None else max(0.0, now - view.last_seen),
+        "cached_blocks": cached,
+        "hit_blocks": hit,
     }
 
 
@@ -113,7 +119,7 @@ def _pop_json(proxy: Proxy, name: str, views: Sequence[DaemonView], now: float) 
         "rtt_ms": None if (rtt := proxy.registry.rtt(name)) is None else rtt * 1000,
         # This router's own count is exact now; the daemons' (all routers) lags a heartbeat.
         "in_flight": max(proxy.in_flight[name], proxy.registry.in_flight(name, now)),
-        "daemons": [daemon_json(v, now) for v in views if v.pop == name],
+        "daemons": [daemon_json(v, now, proxy) for v in views if v.pop == name],
     }
 
 
@@ -188,7 +194,7 @@ async def _set_daemon(request: web.Request, *, drain: bool) -> web.StreamRespons
     result = (await _call_daemons(request, [url], "POST", path))[url]
     now = time.monotonic()
     view = next(v for v in registry.snapshot(now) if v.url == url)
-    body = daemon_json(view, now)
+    body = daemon_json(view, now, proxy)
     body["daemon_errors"] = {url: result} if isinstance(result, str) else {}
     return _json(body)
 

@@ -41,20 +41,32 @@ class RouterConfig:
     geoip_db: Path | None = None  # a MaxMind .mmdb; without it every client is placed "here"
     trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
     admin_token_file: Path | None = None  # without it the admin API refuses every request
+    # ---- the public endpoint ----
+    # TOML [[key]] entries (tenant, sha256 of the key, limits); without it no key is needed.
+    api_keys_file: Path | None = None
+    # Where request/token windows live: "memory://" (this process) or "redis://host:port"
+    # (shared by the routers of a region).
+    rate_limit_storage: str = "memory://"
+    # false: each tenant's prompts are salted apart in every daemon's prefix cache.
+    share_prefix_cache_across_tenants: bool = False
+    daemon_api_key_file: Path | None = None  # the key daemons require (their `api_key`)
+    max_body_bytes: int = 16 << 20  # equal to the daemon's, so the daemon judges prompt length
+    cors_allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call /v1/*
     log_level: LogLevel = "info"
     log_format: LogFormat = "text"  # text | kv | json: one line per event either way
     # ---- placement ----
     # Defaults are PlacementConfig's, so each lives in one place.
     itl_slo_s: float = PlacementConfig.itl_slo_s  # decode daemons expected to exceed it lose
-    kv_bytes_per_token: int = PlacementConfig.kv_bytes_per_token  # of the served model
-    # Keep equal to the daemons' local_prefill_threshold: shorter prompts never leave decode.
-    local_prefill_max_tokens: int = PlacementConfig.local_prefill_max_tokens
-    max_retries: int = 2  # further placements tried when one fails before its first byte
+    # Further placements tried when a daemon could not be reached or answered 503; a daemon
+    # that accepted a request is never replaced (the generation would run twice).
+    max_retries: int = 2
     # ---- upstream timeouts ----
     connect_timeout_s: float = 2.0
-    # Until the daemon's response headers: a wedged daemon is retried elsewhere after this.
-    first_byte_timeout_s: float = 60.0
-    read_timeout_s: float = 60.0  # longest silence tolerated inside a response body
+    # From arrival to the last byte, streams included: the only limit before a daemon's
+    # response headers (a non-streaming answer arrives whole, at the end). A dead daemon is
+    # noticed sooner, by its closed connection or its stopped heartbeats.
+    request_timeout_s: float = 600.0
+    read_timeout_s: float = 60.0  # longest silence tolerated inside an SSE stream
     # ---- membership ----
     heartbeat_interval_s: float = 5.0  # what the daemons use; staleness is judged against it
     discovery_interval_s: float = 2.0  # retry period for daemons whose /v1/state did not answer
@@ -78,7 +90,7 @@ class RouterConfig:
         for name in (
             "itl_slo_s",
             "connect_timeout_s",
-            "first_byte_timeout_s",
+            "request_timeout_s",
             "read_timeout_s",
             "heartbeat_interval_s",
             "discovery_interval_s",
@@ -87,12 +99,21 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key '{name}' must be > 0, got {getattr(self, name)}")
-        for name in ("max_retries", "local_prefill_max_tokens"):
+        for name in ("max_retries",):
             if getattr(self, name) < 0:
                 raise ConfigError(f"config key '{name}' must be >= 0, got {getattr(self, name)}")
-        for name in ("kv_bytes_per_token", "pool_limit"):
+        for name in ("pool_limit", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"config key '{name}' must be >= 1, got {getattr(self, name)}")
+        for origin in self.cors_allowed_origins:
+            url = yarl.URL(origin)
+            if origin != "*" and (
+                url.scheme not in ("http", "https") or not url.host or str(url.origin()) != origin
+            ):
+                raise ConfigError(
+                    f"config key 'cors_allowed_origins': {origin!r} is not '*' or an origin "
+                    "like 'https://app.example.com' (scheme, host, optional port, no path)"
+                )
 
     def listen_address(self) -> tuple[str, int]:
         """``"host:port"`` (``"[::]:8080"`` for IPv6) split into host and port."""

@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 import zmq
 
+from edgeinfer.router.daemon_key import DaemonKey
 from edgeinfer.router.heartbeat_listener import HeartbeatListener
 from edgeinfer.router.pop_registry import PopConfig
 
@@ -45,10 +46,13 @@ class Discovery:
         listener: HeartbeatListener,
         session: aiohttp.ClientSession,
         interval_s: float,
+        daemon_key: DaemonKey | None = None,
     ) -> None:
         self._listener = listener
         self._session = session
         self._interval_s = interval_s
+        # Daemons with an api_key may require it on /v1/state as on the rest of /v1.
+        self._daemon_key = daemon_key
         self._configured: dict[str, str] = {}  # daemon URL -> the PoP the config puts it in
         self.identities: dict[str, DaemonIdentity] = {}
         self._recheck: set[str] = set()  # known daemons to ask again (after a reload)
@@ -83,7 +87,11 @@ class Discovery:
 
     async def _discover(self, url: str) -> None:
         try:
-            async with self._session.get(url + "/v1/state", timeout=_STATE_TIMEOUT) as resp:
+            headers = self._daemon_key.headers() if self._daemon_key is not None else None
+            state_url = url + "/v1/state"
+            async with self._session.get(
+                state_url, headers=headers, timeout=_STATE_TIMEOUT
+            ) as resp:
                 if resp.status != 200:
                     log.info("daemon %s: /v1/state answered %d; will retry", url, resp.status)
                     return

@@ -2,9 +2,11 @@
 
 A single SUB socket fans in all publishers (ZeroMQ keeps one TCP connection per endpoint and
 reconnects on its own), so 600 daemons cost one socket and one receive loop, not 600 tasks.
-Messages are validated by :meth:`Heartbeat.decode`; a malformed one is counted and dropped, never
-fatal. Ordering, restarts and unknown senders are judged by :meth:`PopRegistry.update`, whose
-verdicts are counted here for the admin API.
+Two kinds of message arrive (schema v2, :mod:`edgeinfer.shared.heartbeat`): heartbeats and
+prefix-cache event batches. Each is validated by :func:`decode_message`; a malformed one is
+counted and dropped, never fatal (a version-1 heartbeat is logged once: the fleet upgrades
+together). Ordering, restarts and unknown senders are judged by :meth:`PopRegistry.update` and
+:meth:`PopRegistry.kv_events`, whose verdicts are counted here for the admin API.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import zmq
 import zmq.asyncio
 
 from edgeinfer.router.pop_registry import PopRegistry
-from edgeinfer.shared.heartbeat import Heartbeat, HeartbeatError
+from edgeinfer.shared.heartbeat import (
+    Heartbeat,
+    HeartbeatError,
+    HeartbeatVersionError,
+    decode_message,
+)
 from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -111,12 +118,20 @@ class HeartbeatListener:
         self.counts["received"] += 1
         try:
             if len(frames) != 1:
-                raise HeartbeatError(f"heartbeat has {len(frames)} frames, expected 1")
-            hb = Heartbeat.decode(frames[0])
+                raise HeartbeatError(f"message has {len(frames)} frames, expected 1")
+            msg = decode_message(frames[0])
         except HeartbeatError as e:
             self.counts["malformed"] += 1
-            log.debug("dropped malformed heartbeat: %s", e)
+            if isinstance(e, HeartbeatVersionError):
+                if not self.counts["old_version"]:
+                    log.warning("ignoring daemon heartbeats: %s (upgrade the daemons)", e)
+                self.counts["old_version"] += 1
+            log.debug("dropped malformed daemon message: %s", e)
             return
+        if not isinstance(msg, Heartbeat):
+            self.counts[self.registry.kv_events(msg)] += 1
+            return
+        hb = msg
         verdict = self.registry.update(hb, self._clock())
         self.counts[verdict] += 1
         if verdict == "restart":

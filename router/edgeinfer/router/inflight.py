@@ -123,7 +123,7 @@ class PlacementLedger:
         return Ticket(entries)
 
     def cancel(self, ticket: Ticket) -> None:
-        """The request never got there (connect failure, 5xx before the first byte)."""
+        """The request never got there (connect failure) or was refused (a 503)."""
         for e in ticket.entries:
             mine = self._entries.get(e.url, [])
             if e in mine:  # identity (eq=False); a heartbeat may already have absorbed it

@@ -33,6 +33,7 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
+from enum import IntEnum
 
 import numpy as np
 
@@ -45,7 +46,8 @@ from edgeinfer.router.network import (
     PopGeometry,
     pop_geometry,
 )
-from edgeinfer.router.pop_registry import DaemonView
+from edgeinfer.router.pop_registry import DaemonView, Snapshot
+from edgeinfer.router.session_affinity import AffinityRing
 
 BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
 
@@ -54,9 +56,9 @@ BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after 
 class PlacementConfig:
     itl_slo_s: float = 0.1
     near_tie_s: float = 0.02
-    # bf16 Llama-3-8B: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
-    kv_bytes_per_token: int = 131_072
-    local_prefill_max_tokens: int = 512  # keep equal to the daemons' local_prefill_threshold
+    # The prompt size a "short" pruning key and the prefill pool are judged on (which daemons
+    # may prefill locally is their own local_prefill_threshold, from their heartbeats).
+    short_prompt_tokens: int = 512
     prefill_chunk_tokens: int = 2048  # the last chunk's pages cannot hide behind compute
     # Used until a daemon has measured itself (rates are 0 in its first heartbeats).
     default_prefill_tokens_per_s: float = 5000.0
@@ -65,6 +67,39 @@ class PlacementConfig:
     mean_output_tokens: int = 256  # how long a running request holds its slot, on average
     decode_candidates: int = 8  # D kept after the lower-bound pass
     prefill_pool: int = 8  # cheapest prefill daemons priced for every kept D (per prompt size)
+    # Bounded load: no daemon above 1 + eps times the mean takes a request for its cache (or a
+    # session's affinity): a hot prefix spills over (prefix_scoring.under_bound).
+    load_eps: float = 0.25
+    affinity_slack_s: float = 0.05  # a session's daemon is kept while within this of the best
+    prefix_candidates: int = 4  # holders of a prompt's prefix priced beside the pruned ones
+    work_weight: float = 1.0  # prefix placements: the compute a choice adds (price_pairs)
+
+
+class DCol(IntEnum):
+    """Columns of the per-snapshot decode-daemon matrix (one row per D)."""
+
+    RUNNING, WAITING, FREE_TOKENS, PREFILL_RATE, DECODE_RATE, QUEUED_PREFILL = range(6)
+    PENDING_PREFILL_S, REPORTED_AT, RTT_S, ITL_P50_S, LOCAL_MAX_TOKENS, POP, MEASURED = range(6, 13)
+
+
+class PCol(IntEnum):
+    """Columns of the per-snapshot prefill-daemon matrix (one row per P)."""
+
+    RATE, QUEUED_PREFILL, PENDING_PREFILL_S, REPORTED_AT, POP = range(5)
+
+
+class Row(IntEnum):
+    """Fields of a decode daemon's row (``LoadArrays.d_rows``), what a decision reads."""
+
+    FREE_TOKENS = 0  # -1 when requests wait
+    ADMIT_WAIT_S = 1
+    LOCAL_END = 2  # when its own prefill queue ends
+    LOCAL_S_PER_TOKEN = 3
+    LOCAL_MAX_TOKENS = 4  # the longest prompt (suffix) it prefills itself: inf for a `both`
+    COLO_END = 5  # its co-located prefill peer's queue end (inf: none)
+    COLO_S_PER_TOKEN = 6
+    PENALTY = 7  # 0, or BIG + itl over the SLO
+    ITL_S = 8
 
 
 class LoadArrays:
@@ -84,6 +119,11 @@ class LoadArrays:
         self.p = p = [v for v in mine if v.role in ("prefill", "both") and v.kv_endpoint]
         self.d_of = {v.url: i for i, v in enumerate(d)}
         self.p_of = {v.url: i for i, v in enumerate(p)}
+        # The daemons' own invariants (heartbeat v2); one model's daemons share them, so the
+        # largest stands for all.
+        self.kv_bytes_per_token = max((v.kv_bytes_per_token for v in mine), default=1)
+        self.chunk_tokens = max((v.prefill_chunk_tokens for v in mine), default=1)
+        self._rings: dict[int, tuple[list[int], AffinityRing]] = {}
 
         # One pass per side into a 2-D array: this runs per heartbeat (~100/s at 600 daemons).
         dm = np.asarray([
@@ -92,14 +132,15 @@ class LoadArrays:
              v.decode_tokens_per_s or cfg.default_decode_tokens_per_s,
              v.queued_prefill_tokens, 0.0, v.last_seen or 0.0, v.rtt_s or 0.0,
              v.itl_p50_s if v.itl_p50_s is not None else cfg.default_itl_s,
-             v.role == "both", geo.index[v.pop], v.decode_tokens_per_s > 0)
+             math.inf if v.role == "both" else v.local_prefill_threshold, geo.index[v.pop],
+             v.decode_tokens_per_s > 0)
             for v in d
-        ], dtype=np.float64).reshape(len(d), 13)  # fmt: skip
+        ], dtype=np.float64).reshape(len(d), len(DCol))  # fmt: skip
         pm = np.asarray([
             (v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s, v.queued_prefill_tokens,
              0.0, v.last_seen or 0.0, geo.index[v.pop])
             for v in p
-        ], dtype=np.float64).reshape(len(p), 5)  # fmt: skip
+        ], dtype=np.float64).reshape(len(p), len(PCol))  # fmt: skip
         # What this router placed since: sequences and KV on D, and of the prefill work what is
         # not done by now (all of it without a clock), in seconds, on whoever prefills.
         d_of, p_of, clock = self.d_of, self.p_of, now is not None
@@ -112,42 +153,54 @@ class LoadArrays:
         if on_d:
             i_, seqs_, kv_, tokens_, end_ = np.asarray(on_d).T
             i = i_.astype(np.intp)
-            dm[i, 0] += seqs_
-            dm[i, 2] -= kv_
-            dm[i, 6] = np.maximum(end_ - t, 0.0) if clock else tokens_ / dm[i, 3]
+            dm[i, DCol.RUNNING] += seqs_
+            dm[i, DCol.FREE_TOKENS] -= kv_
+            dm[i, DCol.PENDING_PREFILL_S] = (
+                np.maximum(end_ - t, 0.0) if clock else tokens_ / dm[i, DCol.PREFILL_RATE]
+            )
         if on_p:
             j_, tokens_, end_ = np.asarray(on_p).T
             j = j_.astype(np.intp)
-            pm[j, 2] = np.maximum(end_ - t, 0.0) if clock else tokens_ / pm[j, 0]
+            pm[j, PCol.PENDING_PREFILL_S] = (
+                np.maximum(end_ - t, 0.0) if clock else tokens_ / pm[j, PCol.RATE]
+            )
         # When the snapshot a heartbeat carried was taken, on average (see the module doc).
-        dm[:, 7] -= age
-        pm[:, 3] -= age
+        dm[:, DCol.REPORTED_AT] -= age
+        pm[:, PCol.REPORTED_AT] -= age
         # Raw load as Python lists: per-placement updates read and write them one at a time.
         cols = dm.T.tolist()
-        self.running, self.waiting, self.free = cols[:3]
-        self.d_rate, self.p50 = cols[4], cols[9]
-        local_inv = 1.0 / dm[:, 3]
+        self.running, self.waiting, self.free = (
+            cols[DCol.RUNNING],
+            cols[DCol.WAITING],
+            cols[DCol.FREE_TOKENS],
+        )
+        self.d_rate, self.p50 = cols[DCol.DECODE_RATE], cols[DCol.ITL_P50_S]
+        local_inv = 1.0 / dm[:, DCol.PREFILL_RATE]
         self.local_inv = local_inv.tolist()
         # The reported queue drains from when it was reported; what is pending joins it now.
         local_end = (
-            np.maximum(dm[:, 7] + dm[:, 5] * local_inv, t)
+            np.maximum(dm[:, DCol.REPORTED_AT] + dm[:, DCol.QUEUED_PREFILL] * local_inv, t)
             if now is not None
-            else (dm[:, 5] * local_inv)
+            else (dm[:, DCol.QUEUED_PREFILL] * local_inv)
         )
-        local_end = local_end + dm[:, 6]
+        local_end = local_end + dm[:, DCol.PENDING_PREFILL_S]
         self.local_end = local_end.tolist()
-        self.both, self.measured = [x > 0 for x in cols[10]], [x > 0 for x in cols[12]]
-        self.d_pop: IntArray = dm[:, 11].astype(np.intp)
+        self.local_max = cols[DCol.LOCAL_MAX_TOKENS]
+        self.measured = [x > 0 for x in cols[DCol.MEASURED]]
+        self.d_pop: IntArray = dm[:, DCol.POP].astype(np.intp)
         self.d_xyz: FloatArray = geo.xyz[self.d_pop].reshape(len(d), 3)
-        self.d_measured: FloatArray = dm[:, 8].copy()  # RTT EWMA to the daemon's PoP, 0: none
-        self.p_inv: FloatArray = 1.0 / pm[:, 0]
+        self.d_measured: FloatArray = dm[
+            :, DCol.RTT_S
+        ].copy()  # RTT EWMA to the daemon's PoP, 0: none
+        self.p_inv: FloatArray = 1.0 / pm[:, PCol.RATE]
+        self.p_inv_mean = float(self.p_inv.mean()) if len(p) else 0.0
         p_end = (
-            np.maximum(pm[:, 3] + pm[:, 1] * self.p_inv, t)
+            np.maximum(pm[:, PCol.REPORTED_AT] + pm[:, PCol.QUEUED_PREFILL] * self.p_inv, t)
             if now is not None
-            else (pm[:, 1] * self.p_inv)
+            else (pm[:, PCol.QUEUED_PREFILL] * self.p_inv)
         )
-        self.p_end: FloatArray = p_end + pm[:, 2]
-        self.p_pop: IntArray = pm[:, 4].astype(np.intp)
+        self.p_end: FloatArray = p_end + pm[:, PCol.PENDING_PREFILL_S]
+        self.p_pop: IntArray = pm[:, PCol.POP].astype(np.intp)
         self.pooled_short = self.pooled_long = math.inf
         self.pool: IntArray  # indices into p of the cheapest prefill daemons (module doc)
         self.pool_at: dict[int, int]  # index into p -> position in the pool
@@ -178,8 +231,9 @@ class LoadArrays:
         self, t: float, dm: FloatArray, local_inv: FloatArray, local_end: FloatArray
     ) -> None:
         cfg = self.cfg
-        running, waiting, free, d_rate, p50 = dm[:, 0], dm[:, 1], dm[:, 2], dm[:, 4], dm[:, 9]
-        measured, both = dm[:, 12] > 0, dm[:, 10] > 0
+        running, waiting, free = dm[:, DCol.RUNNING], dm[:, DCol.WAITING], dm[:, DCol.FREE_TOKENS]
+        d_rate, p50 = dm[:, DCol.DECODE_RATE], dm[:, DCol.ITL_P50_S]
+        measured, local_max = dm[:, DCol.MEASURED] > 0, dm[:, DCol.LOCAL_MAX_TOKENS]
         # Aggregate rate R at batch B means a step of B/R; one more sequence makes it (B+1)/R.
         itl = np.where((running > 0) & measured, (running + 1) / d_rate, p50)
         penalty = np.where(itl <= cfg.itl_slo_s, 0.0, BIG + itl)
@@ -187,26 +241,27 @@ class LoadArrays:
         # Requests wait, or what was placed since the heartbeat has used up the free KV.
         self.d_static = penalty + np.where((waiting > 0) | (free <= 0), admit_wait, 0.0)
         local_q = np.maximum(local_end - t, 0.0)
-        limited = np.where(both, 0.0, math.inf)
         colo = self.colo_arr
         has = colo >= 0
         colo_end = np.where(has, self.p_end[colo] if len(self.p) else 0.0, math.inf)
         colo_inv = np.where(has, self.p_inv[colo] if len(self.p) else 0.0, 0.0)
         colo_q = np.maximum(colo_end - t, 0.0)
-        ns, nl = cfg.local_prefill_max_tokens, 4 * cfg.prefill_chunk_tokens
+        ns, nl = cfg.short_prompt_tokens, 4 * cfg.prefill_chunk_tokens
         # Pruning keys: exact at the time of the build or of the row's last update.
-        self.own_short = np.minimum(local_q + ns * local_inv, colo_q + ns * colo_inv)
-        self.own_long = np.minimum(local_q + nl * local_inv + limited, colo_q + nl * colo_inv)
+        short_ok, long_ok = (
+            np.where(ns <= local_max, 0.0, math.inf),
+            np.where(nl <= local_max, 0.0, math.inf),
+        )
+        self.own_short = np.minimum(local_q + ns * local_inv + short_ok, colo_q + ns * colo_inv)
+        self.own_long = np.minimum(local_q + nl * local_inv + long_ok, colo_q + nl * colo_inv)
         self._keys()
-        # free_tokens (-1 when requests wait), admit_wait_s, local_end, local_s_per_token,
-        # local_limited (inf: only short prompts may prefill locally), colo_end (inf: none),
-        # colo_s_per_token, penalty (0, or BIG + itl over the SLO), itl_s.
+        # In the order of Row.
         free_col = np.where(waiting > 0, -1.0, free)
-        cols = (free_col, admit_wait, local_end, local_inv, limited, colo_end, colo_inv, penalty,
+        cols = (free_col, admit_wait, local_end, local_inv, local_max, colo_end, colo_inv, penalty,
                 itl)  # fmt: skip
         # Rows as Python tuples: a decision reads a handful, a placement rewrites one or two.
         self.d_rows: list[tuple[float, ...]] = list(
-            map(tuple, np.stack(cols, axis=1).reshape(len(self.d), 9).tolist())
+            map(tuple, np.stack(cols, axis=1).reshape(len(self.d), len(Row)).tolist())
         )
         self.load = (running + waiting).tolist()  # for the power-of-two choice
 
@@ -222,23 +277,38 @@ class LoadArrays:
         static = penalty + admit_wait if waiting > 0 or free <= 0 else penalty
         local_inv, local_end = self.local_inv[i], self.local_end[i]
         local_q = local_end - t if local_end > t else 0.0
-        limited = 0.0 if self.both[i] else math.inf
+        local_max = self.local_max[i]
         c = self.colo[i]
         if c >= 0:
             colo_end, colo_inv = self.p_end.item(c), self.p_inv.item(c)
             colo_q = colo_end - t if colo_end > t else 0.0
         else:
             colo_end, colo_inv, colo_q = math.inf, 0.0, math.inf
-        ns, nl = cfg.local_prefill_max_tokens, 4 * cfg.prefill_chunk_tokens
-        own_short = min(local_q + ns * local_inv, colo_q + ns * colo_inv)
-        own_long = min(local_q + nl * local_inv + limited, colo_q + nl * colo_inv)
+        ns, nl = cfg.short_prompt_tokens, 4 * cfg.prefill_chunk_tokens
+        own_short = min(
+            local_q + ns * local_inv if ns <= local_max else math.inf, colo_q + ns * colo_inv
+        )
+        own_long = min(
+            local_q + nl * local_inv if nl <= local_max else math.inf, colo_q + nl * colo_inv
+        )
         self.d_static[i], self.own_short[i], self.own_long[i] = static, own_short, own_long
         pooled_short, pooled_long = self.pooled_short, self.pooled_long
         self.key_short[i] = static + (own_short if own_short < pooled_short else pooled_short)
         self.key_long[i] = static + (own_long if own_long < pooled_long else pooled_long)
-        self.d_rows[i] = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv, limited,
+        self.d_rows[i] = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv, local_max,
                           colo_end, colo_inv, penalty, itl)  # fmt: skip
         self.load[i] = running + waiting
+
+    def affinity_pick(self, key: int, pop: int, eps: float) -> int | None:
+        """The session ``key``'s decode daemon (a row) among those of PoP ``pop`` (a geometry
+        index): its ring of them, bounded by their load. Rings are built on first use."""
+        ring = self._rings.get(pop)
+        if ring is None:
+            rows = np.flatnonzero(self.d_pop == pop).tolist()
+            ring = self._rings[pop] = (rows, AffinityRing([self.d[r].url for r in rows]))
+        rows, r = ring
+        at = r.pick(key, [self.load[i] for i in rows], eps)
+        return rows[at] if at is not None else None
 
     def _keys(self) -> None:
         """Pruning keys without the network: a lower bound of each D's cost for a short and a
@@ -249,9 +319,10 @@ class LoadArrays:
     def _rank_pool(self, t: float) -> None:
         cfg, k = self.cfg, self.cfg.prefill_pool
         q = np.maximum(self.p_end - t, 0.0)
-        sizes = (cfg.local_prefill_max_tokens, 8 * cfg.prefill_chunk_tokens)
+        sizes = (cfg.short_prompt_tokens, 8 * cfg.prefill_chunk_tokens)
         ranked = [np.argsort(q + n * self.p_inv, kind="stable")[:k] for n in sizes]
         self.pool = np.unique(np.concatenate(ranked)).astype(np.intp)
+        self.pool_list: list[int] = self.pool.tolist()
         self.pool_at = {j: k for k, j in enumerate(self.pool.tolist())}
         self.pool_inv = self.p_inv[self.pool]
         self.pool_end = self.p_end[self.pool]
@@ -264,7 +335,7 @@ class LoadArrays:
         pruning uses for every D. True if it moved (the keys must follow)."""
         cfg, inv = self.cfg, self.pool_inv
         q = np.maximum(self.pool_end - t, 0.0)
-        sizes = (cfg.local_prefill_max_tokens, 4 * cfg.prefill_chunk_tokens)
+        sizes = (cfg.short_prompt_tokens, 4 * cfg.prefill_chunk_tokens)
         short, long = (float((q + n * inv).min()) if len(self.pool) else math.inf for n in sizes)
         changed = (short, long) != (self.pooled_short, self.pooled_long)
         self.pooled_short, self.pooled_long = short, long
@@ -308,7 +379,7 @@ class Prepared:
         self, views: Sequence[DaemonView], net: NetworkModel, cfg: PlacementConfig,
         pending: PlacementLedger | None,
     ) -> None:  # fmt: skip
-        self.views, self.cfg, self.pending = list(views), cfg, pending
+        self.views, self.net, self.cfg, self.pending = list(views), net, cfg, pending
         self.geo = pop_geometry({v.pop: (v.lat, v.lon) for v in views}, net)
         # Clients whose dot product with the router's PoP exceeds this are in its catchment.
         # (> 1, so nobody, when catchment_km <= 0 switches measured RTTs off.)
@@ -332,25 +403,22 @@ class Prepared:
         return a
 
 
-# One entry: routers place against the latest snapshot, so an older one is never asked again.
-_snapshot: tuple[Sequence[DaemonView], NetworkModel, PlacementConfig, Prepared] | None = None
+_PREPARED = "placement"  # the key of a Snapshot's derived entry
 
 
 def prepared(
     views: Sequence[DaemonView], net: NetworkModel, cfg: PlacementConfig,
     pending: PlacementLedger | None,
 ) -> Prepared:  # fmt: skip
-    global _snapshot
-    s = _snapshot
+    """The snapshot's :class:`Prepared`, kept in the registry's :class:`Snapshot` (a plain
+    sequence of views gets a fresh one: nothing says it will not change)."""
+    cache = views.derived if isinstance(views, Snapshot) else None
+    s = cache.get(_PREPARED) if cache is not None else None
     # `in` tests identity before equality, which for a dataclass builds tuples: the proxy
     # passes the same objects every time.
-    if (
-        s is not None
-        and s[0] is views
-        and s[1] in (net,)
-        and s[2] in (cfg,)
-        and (s[3].pending is pending)
-    ):
-        return s[3]
-    _snapshot = (views, net, cfg, Prepared(views, net, cfg, pending))
-    return _snapshot[3]
+    if isinstance(s, Prepared) and s.net in (net,) and s.cfg in (cfg,) and s.pending is pending:
+        return s
+    prep = Prepared(views, net, cfg, pending)
+    if cache is not None:
+        cache[_PREPARED] = prep
+    return prep

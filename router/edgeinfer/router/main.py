@@ -8,8 +8,9 @@ Signals follow uvicorn's ``should_exit``/``force_exit`` split: the first SIGTERM
 stops accepting connections and lets in-flight streams finish (up to ``shutdown_timeout_s``);
 a second one stops waiting. SIGHUP re-reads the PoP list, the log level and the log format
 (other changed settings are logged as needing a restart); a bad file is logged and the old list
-stays, because a typo must not take a serving router down. Under systemd (``Type=notify``) the
-router sends READY=1 once it listens, STOPPING=1 on the first signal, and watchdog pings.
+stays, because a typo must not take a serving router down; the API keys file is re-read too,
+by the same rule. Under systemd (``Type=notify``) the router sends READY=1 once it listens,
+STOPPING=1 on the first signal, and watchdog pings.
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ import click
 import uvloop
 from aiohttp import web
 
-from edgeinfer.router.app import RouterSetup, create_app, make_runner, reload_pops
+from edgeinfer.router.app import (
+    RouterSetup,
+    create_app,
+    make_runner,
+    reload_daemon_key,
+    reload_pops,
+)
 from edgeinfer.router.config import RouterConfig, load_pops, load_router_config
+from edgeinfer.router.daemon_key import DaemonKey
+from edgeinfer.router.gate import GATE_KEY, check_gate_config
 from edgeinfer.shared.errors import ConfigError, EdgeInferError
 from edgeinfer.shared.logs import configure_logging
 from edgeinfer.shared.reload import LOGGING_KEYS, SettingsReloader
@@ -100,6 +109,10 @@ async def serve(setup: RouterSetup, settings: SettingsReloader[RouterConfig] | N
 def _reload(app: web.Application, settings: SettingsReloader[RouterConfig] | None) -> None:
     if settings is not None:
         settings.reload()
+    gate = app.get(GATE_KEY)
+    if gate is not None:
+        gate.reload()  # API keys: a removed key is refused at once, its streams finish
+    reload_daemon_key(app)
     try:
         reload_pops(app)
     except EdgeInferError as exc:
@@ -139,6 +152,8 @@ def main(
             admin_token=config.read_admin_token(),
             config_path=config_file,
         )
+        check_gate_config(config)
+        DaemonKey(config.daemon_api_key_file)  # an unreadable key file is a config error
     except ConfigError as exc:
         _fail(str(exc), EXIT_CONFIG)
     configure_logging(config.log_level, config.log_format)

@@ -58,8 +58,10 @@ class NetworkModel:
     fibre_km_per_ms: float = 100.0
     # Added to every RTT between distinct places: last mile, queues, switching.
     fixed_rtt_ms: float = 2.0
-    # Sustained bandwidth one KV transfer gets between two PoPs.
+    # Sustained bandwidth one KV transfer gets between two PoPs, and inside one (the router
+    # prices an intra-PoP hop as free; the simulator moves the pages at this rate).
     inter_pop_gbps: float = 10.0
+    intra_pop_gbps: float = 100.0
     # A client this close to the router's PoP shares the router's paths, so the router's own
     # RTT measurements to other PoPs apply to it too.
     catchment_km: float = 1000.0
@@ -67,6 +69,25 @@ class NetworkModel:
     @property
     def inter_pop_bytes_per_s(self) -> float:
         return self.inter_pop_gbps * 1e9 / 8
+
+    @property
+    def intra_pop_bytes_per_s(self) -> float:
+        return self.intra_pop_gbps * 1e9 / 8
+
+    def kv_link_s(self, kv_bytes: Any, same_pop: bool = False) -> Any:
+        """Seconds ``kv_bytes`` of KV pages spend on the link, between PoPs or inside one."""
+        return kv_bytes / (self.intra_pop_bytes_per_s if same_pop else self.inter_pop_bytes_per_s)
+
+    @staticmethod
+    def kv_exposed_s(link_s: Any, compute_s: Any, tokens: Any, chunk_tokens: int) -> Any:
+        """The part of a KV transfer of ``tokens`` prompt tokens not hidden behind the prefill
+        computing them: pages of finished chunks stream while later chunks compute, the last
+        chunk's cannot. Scalars or arrays that broadcast (the selector's hot path: scalars)."""
+        if isinstance(tokens, np.ndarray):
+            last_share: Any = np.minimum(1.0, chunk_tokens / np.maximum(tokens, 1))
+        else:
+            last_share = 1.0 if tokens <= chunk_tokens else chunk_tokens / tokens
+        return np.maximum(link_s - compute_s, link_s * last_share)
 
     def rtt_floor_s(self, km: Any) -> Any:
         """RTT floor for great-circle distance(s) ``km``."""

@@ -21,16 +21,39 @@ from edgeinfer.router.selector import RequestFeatures
 DEFAULT_MAX_TOKENS = 256
 
 
-def request_features(body: bytes) -> RequestFeatures:
+# Body fields that name infrastructure (where KV pages come from, which rank runs a request):
+# only the router chooses that, so a client body carrying one is refused before placement.
+INFRASTRUCTURE_FIELDS = ("kv_transfer_params", "data_parallel_rank")
+
+
+def parse_body(body: bytes) -> Any:
+    """The JSON body, or None when it is not JSON (the daemon then words the 400)."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def infrastructure_field(data: Any) -> web.Response | None:
+    """A 400 naming the first field of :data:`INFRASTRUCTURE_FIELDS` the body sets, else None."""
+    if isinstance(data, dict):
+        for name in INFRASTRUCTURE_FIELDS:
+            if name in data:
+                return error_response(
+                    400, f"'{name}' is set by the router, not by clients; remove it",
+                    param=name, code="infrastructure_field",
+                )  # fmt: skip
+    return None
+
+
+def request_features(body: bytes, data: Any = None) -> RequestFeatures:
     """What placement needs from a request body, estimated cheaply: ~4 characters per token.
 
-    Never fails: a body the daemon will reject still gets placed so that the daemon's own 4xx
-    (with its exact message) reaches the client.
+    ``data`` is the body already parsed, when it was. Never fails: a body the daemon will reject
+    still gets placed so that the daemon's own 4xx (with its exact message) reaches the client.
     """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        data = None
+    if data is None:
+        data = parse_body(body)
     if not isinstance(data, dict):
         return RequestFeatures(
             prompt_tokens=len(body) // 4, max_tokens=DEFAULT_MAX_TOKENS, model=None

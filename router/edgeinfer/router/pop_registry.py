@@ -9,6 +9,10 @@ The registry also holds :attr:`PopRegistry.pending`, the placements this router 
 heartbeats do not show yet (:mod:`edgeinfer.router.inflight`): an accepted heartbeat absorbs
 what it probably includes once it is in a snapshot (so that load counted in neither the pending
 placements nor the snapshot never exists), a restart or a removal forgets the daemon's.
+
+It owns the prefix index too (:attr:`PopRegistry.prefix_index`, kept current by
+:attr:`PopRegistry.kv`): which daemons hold which prefix-cache blocks, from the daemons' cache
+events, applied only for configured daemons in their configured PoP.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Any, Literal
 
 from edgeinfer.router.errors import RouterError
 from edgeinfer.router.inflight import PlacementLedger
-from edgeinfer.shared.heartbeat import Heartbeat, Role
+from edgeinfer.router.kv_sync import KvSync
+from edgeinfer.router.prefix_index import PrefixIndex
+from edgeinfer.shared.heartbeat import Heartbeat, KvEvents, Role
 
 # A daemon silent for this many heartbeat periods is out until it speaks again: one lost
 # heartbeat is noise, three in a row is a dead process or a partition.
@@ -92,6 +98,11 @@ class DaemonView:
     itl_p50_s: float | None
     queued_prefill_tokens: int
     in_flight: int
+    # The daemon's invariants (heartbeat v2): how to price placing a request there.
+    kv_bytes_per_token: int
+    local_prefill_threshold: int
+    prefill_chunk_tokens: int
+    tokenizer_id: str | None
     draining: bool
     admin_drained: bool
     last_seen: float | None  # monotonic time of the last accepted heartbeat
@@ -99,6 +110,18 @@ class DaemonView:
     available: bool  # may receive new requests
     state: DaemonStateCode  # "up" when available, else the first reason code
     reason: str | None  # why not, in words, when not available
+
+
+class Snapshot(list[DaemonView]):
+    """Every daemon's view at one instant, and what placement derived from it (``derived``:
+    its load arrays, :func:`edgeinfer.router.load_arrays.prepared`), which lives and dies
+    with the snapshot instead of in a module global."""
+
+    __slots__ = ("derived",)
+
+    def __init__(self, views: Iterable[DaemonView] = ()) -> None:
+        super().__init__(views)
+        self.derived: dict[str, object] = {}
 
 
 @dataclasses.dataclass
@@ -139,10 +162,12 @@ class PopRegistry:
         # Heartbeats not yet in a snapshot: url -> (arrival, restart). The ledger forgets what
         # they include only when they become visible, so load is never counted in neither.
         self._arrived: dict[str, tuple[float, bool]] = {}
-        self._snapshot: list[DaemonView] | None = None
+        self._snapshot: Snapshot | None = None
         self._valid: tuple[float, float] = (0.0, 0.0)  # [built at, first freshness expiry)
         # Daemons refresh the load they report twice per period (daemon.load_report).
         self.pending = PlacementLedger(report_lag_s=heartbeat_interval_s / 2)
+        self.prefix_index = PrefixIndex()
+        self.kv = KvSync(self.prefix_index)
         self.replace_pops(pops)
 
     def replace_pops(self, pops: Sequence[PopConfig]) -> None:
@@ -161,6 +186,7 @@ class PopRegistry:
         old = self._daemons
         for url in old.keys() - owner.keys():
             self.pending.forget(url)
+            self.kv.forget(url)
         self._daemons = {
             url: dataclasses.replace(old[url], pop=pop) if url in old else DaemonState(url, pop)
             for url, pop in owner.items()
@@ -217,7 +243,17 @@ class PopRegistry:
         self._arrived[state.url] = (now, restart or (earlier is not None and earlier[1]))
         state.heartbeat, state.last_seen, state.down_since = hb, now, None
         self._dirty.add(state.url)
+        self.kv.on_heartbeat(state.url, hb)
         return "restart" if restart else "accepted"
+
+    def kv_events(self, ev: KvEvents) -> str:
+        """Feed one cache-event batch to the prefix index; returns what happened to it."""
+        state = self._daemons.get(normalize_url(ev.daemon_id))
+        if state is None:
+            return "unknown_daemon"
+        if state.heartbeat is None or state.heartbeat.pop != state.pop:
+            return "kv_unplaced"  # no heartbeat yet, or one that claims another PoP
+        return self.kv.on_events(state.url, ev)
 
     def mark_down(self, url: str, now: float) -> None:
         """Take a daemon out after a connect error, until its next heartbeat."""
@@ -293,7 +329,7 @@ class PopRegistry:
         period = STALE_PERIODS * self.heartbeat_interval_s
         seen = [d.last_seen for d in self._daemons.values() if d.last_seen is not None]
         self._valid = (now, min((t + period for t in seen if t + period >= now), default=math.inf))
-        self._snapshot = [self._views[url] for url in self._daemons]
+        self._snapshot = Snapshot(self._views[url] for url in self._daemons)
         self.pending.trim()  # arrays built for the new list start from the ledger's totals
         return self._snapshot
 
@@ -361,6 +397,7 @@ _NO_HEARTBEAT: dict[str, Any] = {
     "role": None, "model": None, "kv_endpoint": None, "running": 0, "waiting": 0,
     "kv_blocks_free": 0, "kv_blocks_total": 0, "block_size": 1, "prefill_tokens_per_s": 0.0,
     "decode_tokens_per_s": 0.0, "ttft_p50_s": None, "itl_p50_s": None,
-    "queued_prefill_tokens": 0, "in_flight": 0,
+    "queued_prefill_tokens": 0, "in_flight": 0, "kv_bytes_per_token": 1,
+    "local_prefill_threshold": 0, "prefill_chunk_tokens": 1, "tokenizer_id": None,
 }  # fmt: skip
 _FROM_HEARTBEAT = tuple(_NO_HEARTBEAT)

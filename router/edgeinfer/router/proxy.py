@@ -1,93 +1,84 @@
 """Forwarding one OpenAI request to the best decode daemon, naming its prefill daemon.
 
-A request is committed to a placement at its first body byte, not at the daemon's response
-headers: a daemon sends SSE headers before it has prefilled anything, and a failure during
-that prefill can still move the request to the next-best placement without the client noticing.
-Until then a connect error, a timeout or a 5xx tries the next placement (``max_retries`` more at
-most). After it the client has bytes, so a failure ends an SSE stream with an error event and
-anything else by closing the connection (the short body then cannot pass for a complete one).
+A request is committed to a daemon once that daemon accepts it, i.e. answers with response
+headers of any status but 503 or 401. Before that, a connect failure (the request never reached
+the daemon), a 503 (the daemon refused it: draining, loading, full) or a 401 (the daemon refused
+the router's own key: a misconfiguration, logged, never shown to the client as its key's fault)
+moves it to the next-best placement (``max_retries`` more at most). After it, the request is never sent elsewhere: the
+daemon may be generating, and a second daemon would run the generation twice. A failure then
+reaches the client: a 502/504 error object before any byte of the answer, an SSE error event
+inside a stream, or a cut connection inside a plain body (:mod:`edgeinfer.router.relay`).
 
-SSE bytes are forwarded as they arrive, cut only at event boundaries: a partial event is held
-until its blank line arrives, so a stream that breaks mid-event can still end cleanly.
+Time: one limit, ``request_timeout_s``, runs from arrival to the last byte; nothing else times
+the wait for a daemon's headers, which for a non-streaming request arrive only with the whole
+answer. A daemon that dies is noticed through its connection (its process closes it) or its
+heartbeats (:mod:`edgeinfer.router.daemon_watch`), and inside an SSE stream a silence of
+``read_timeout_s`` ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.daemon_key import DaemonKey
+from edgeinfer.router.daemon_watch import DaemonWatch
+from edgeinfer.router.gate import CACHE_SALT_HEADER
 from edgeinfer.router.geo import ClientLocator, GeoPoint
+from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.network import NetworkModel
-from edgeinfer.router.openai_api import (
-    error_response,
-    no_placement,
-    request_features,
-    sse_error_event,
+from edgeinfer.router.openai_api import error_response, no_placement
+from edgeinfer.router.pop_registry import DaemonView, PopRegistry
+from edgeinfer.router.prefix_lookup import PrefixLookup
+from edgeinfer.router.relay import (
+    Exchange,
+    client_request_headers,
+    daemon_response_headers,
+    pop_headers,
 )
-from edgeinfer.router.pop_registry import PopRegistry
-from edgeinfer.router.selector import Placement, PlacementConfig, record_placement, select
+from edgeinfer.router.request_context import RequestContext
+from edgeinfer.router.selector import (
+    Placement,
+    PlacementConfig,
+    RequestFeatures,
+    record_placement,
+    select,
+)
+from edgeinfer.router.session_affinity import AFFINITY_HEADER, affinity_key
+from edgeinfer.shared.request_ids import REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
 PREFILL_HEADER = "x-edge-prefill"
-PREFILL_POP_HEADER = "x-edge-prefill-pop"
-DECODE_POP_HEADER = "x-edge-decode-pop"
-# Never forwarded: connection-level headers, and anything a client could use to steer a
-# daemon (x-edge-prefill names where KV is fetched from; only the router may choose that).
-_DROP_REQUEST = frozenset(
-    {"connection", "keep-alive", "proxy-authorization", "proxy-connection", "te", "trailer",
-     "transfer-encoding", "upgrade", "host", "content-length"}
-)  # fmt: skip
-_DROP_RESPONSE = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "trailer", "transfer-encoding",
-     "upgrade", "content-length", "date", "server"}
-)  # fmt: skip
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
 
-class _Failure(Exception):
-    """Why one placement did not answer; a daemon's own 5xx is kept to pass through last."""
+class _Refused(Exception):
+    """A placement that did not take the request; the next one may (a daemon 503 is kept to
+    pass through if every placement refuses)."""
 
     def __init__(
         self,
         placement: Placement,
+        kind: str,  # connect | unavailable | unauthorized: the retries metric's reason
         reason: str,
-        status: int = 502,
         upstream: tuple[bytes, CIMultiDict[str]] | None = None,
     ) -> None:
         super().__init__(reason)
         self.placement = placement
+        self.kind = kind
         self.reason = reason
-        self.status = status
         self.upstream = upstream
-
-
-class SseFramer:
-    """Splits a byte stream at SSE event boundaries, holding back only an unfinished event."""
-
-    def __init__(self) -> None:
-        self._pending = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = self._pending + chunk
-        cut = max(data.rfind(end) + len(end) if end in data else 0 for end in _EVENT_ENDS)
-        self._pending = data[cut:]
-        return data[:cut]
-
-    def flush(self) -> bytes:
-        """What is left at the end of a stream that did not end on a blank line."""
-        data, self._pending = self._pending, b""
-        return data
 
 
 class Proxy:
@@ -101,6 +92,11 @@ class Proxy:
         net: NetworkModel,
         session: aiohttp.ClientSession,
         rng: random.Random,
+        *,
+        daemon_key: DaemonKey,
+        watch: DaemonWatch,
+        metrics: RouterMetrics,
+        prefix: PrefixLookup | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -108,23 +104,30 @@ class Proxy:
         self.net = net
         self.session = session
         self.rng = rng
-        self.placement = PlacementConfig(
-            itl_slo_s=config.itl_slo_s,
-            kv_bytes_per_token=config.kv_bytes_per_token,
-            local_prefill_max_tokens=config.local_prefill_max_tokens,
-        )
+        self.daemon_key = daemon_key
+        self.watch = watch
+        self.metrics = metrics
+        self.prefix = prefix
+        # The daemons advertise the rest (KV bytes per token, local prefill threshold).
+        self.placement = PlacementConfig(itl_slo_s=config.itl_slo_s)
         # Requests this router has sent to each PoP and not finished: what a drain waits for.
         self.in_flight: Counter[str] = Counter()
+        # Per daemon URL, prompt blocks placements found in its prefix cache (edgectl status).
+        self.prefix_hit_blocks: Counter[str] = Counter()
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
-        """Place ``request`` and proxy it; the answer is the daemon's or an OpenAI error."""
-        body = await request.read()
-        features = request_features(body)
+    async def forward(
+        self, request: web.Request, ctx: RequestContext, body: bytes, features: RequestFeatures,
+        data: object = None,
+    ) -> web.StreamResponse:  # fmt: skip
+        """Place ``request`` and proxy it; the answer is the daemon's or an OpenAI error.
+        ``data``: the body parsed, for the prompt's prefix hits."""
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         ip = self.locator.client_ip(request.remote, request.headers)
         client = self.locator.locate(ip)
+        views = self.registry.snapshot(time.monotonic())
+        features = await self._prefix_features(request, ctx, data, features, views)
         now = time.monotonic()
         views = self.registry.snapshot(now)
-        limit = 1 + self.config.max_retries
         here = self.registry.pop(self.config.here)
         placements = select(
             views,
@@ -134,31 +137,62 @@ class Proxy:
             self.placement,
             self.rng,
             self.config.here,
-            limit,
+            1 + self.config.max_retries,
             here_point=GeoPoint(here.lat, here.lon),
             pending=self.registry.pending,
             now=now,
         )
+        self.metrics.placement_seconds.observe(time.monotonic() - now)
         if not placements:
             return no_placement(views, features)
+        if features.prefix is not None and features.prefix.blocks:
+            best = placements[0]
+            hit = best.prefill_cached // features.prefix.block_size
+            self.metrics.prefix_blocks_matched.inc(hit)
+            self.prefix_hit_blocks[(best.prefill or best.decode).url] += hit
         if log.isEnabledFor(logging.DEBUG):  # describe() is not free; skip it when unseen
             scores = " | ".join(p.describe() for p in placements)
             log.debug("%s from %s %s: %s", request.path, ip, features, scores)
-        failures: list[_Failure] = []
+        refusals: list[_Refused] = []
         for placement in placements:
             if not self._still_placeable(placement):
                 continue  # drained since select() ran: a drain is acknowledged at once
             # Counted on the daemons until their heartbeats show it, so the next decisions
             # do not price the same stale load; a placement that never got there is not.
             ticket = record_placement(self.registry.pending, placement, features, time.monotonic())
+            ctx.pop = placement.decode.pop
             try:
-                return await self._attempt(request, body, placement)
-            except _Failure as failure:
+                return await self._attempt(request, ctx, body, placement, deadline)
+            except _Refused as refusal:
                 self.registry.pending.cancel(ticket)
-                failures.append(failure)
-                where = f"{request.path} via {placement.decode.url}"
-                log.warning("%s failed before its first byte (%s)", where, failure.reason)
-        return _give_up(failures)
+                refusals.append(refusal)
+                self.metrics.upstream_retries.labels(refusal.kind).inc()
+                level = logging.ERROR if refusal.kind == "unauthorized" else logging.WARNING
+                log.log(
+                    level, "%s not taken by %s (%s)", request.path, placement.decode.url,
+                    refusal.reason,
+                )  # fmt: skip
+        ctx.pop = ""
+        return _give_up(refusals)
+
+    async def _prefix_features(
+        self, request: web.Request, ctx: RequestContext, data: object,
+        features: RequestFeatures, views: list[DaemonView],
+    ) -> RequestFeatures:  # fmt: skip
+        """``features`` with the prompt's exact length and prefix hits (when the router can
+        tokenise it) and the client's session-affinity hint."""
+        affinity = affinity_key(ctx.tenant, request.headers.get(AFFINITY_HEADER))
+        prefix = None
+        if self.prefix is not None and data is not None:
+            salt = ctx.admission.upstream_headers() if ctx.admission is not None else {}
+            prefix = await self.prefix.lookup(
+                request.path, data, salt.get(CACHE_SALT_HEADER), views, features.model
+            )
+        if prefix is None:
+            return dataclasses.replace(features, affinity=affinity) if affinity else features
+        return dataclasses.replace(
+            features, prompt_tokens=prefix.prompt_tokens, prefix=prefix, affinity=affinity
+        )
 
     def _still_placeable(self, placement: Placement) -> bool:
         chosen = [placement.decode.url] + ([placement.prefill.url] if placement.prefill else [])
@@ -173,150 +207,104 @@ class Proxy:
         finally:
             self.in_flight.subtract(pops)
 
-    async def _attempt(
-        self, request: web.Request, body: bytes, placement: Placement
-    ) -> web.StreamResponse:
-        decode = placement.decode
-        headers = _request_headers(request)
+    def _headers(
+        self, request: web.Request, ctx: RequestContext, placement: Placement
+    ) -> CIMultiDict[str]:
+        """What the daemon gets: the client's end-to-end headers, then the router's own."""
+        headers = client_request_headers(request)
+        headers.update(self.daemon_key.headers())
+        if ctx.admission is not None:
+            headers.update(ctx.admission.upstream_headers())
         if placement.prefill is not None and placement.prefill.kv_endpoint:
             headers[PREFILL_HEADER] = placement.prefill.kv_endpoint
-        with self._track(placement):
+        headers[REQUEST_ID_HEADER] = ctx.request_id
+        return headers
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        body: bytes,
+        placement: Placement,
+        deadline: float,
+    ) -> web.StreamResponse:
+        decode = placement.decode
+        headers = self._headers(request, ctx, placement)
+        url = decode.url + request.rel_url.path_qs
+        with self._track(placement), self.watch.watching(decode.url) as watched:
             upstream: aiohttp.ClientResponse | None = None
-            framer: SseFramer | None = None
-            first = b""
             try:
-                async with asyncio.timeout(self.config.first_byte_timeout_s):
+                async with asyncio.timeout_at(deadline) as limit:
+                    watched.arm(limit)
                     upstream = await self.session.request(
-                        request.method, decode.url + request.rel_url.path_qs, data=body,
-                        headers=headers,
-                    )  # fmt: skip
-                    if upstream.status >= 500:
-                        raw = await upstream.read()
-                        reason = f"HTTP {upstream.status}"
-                        kept = (raw, CIMultiDict(upstream.headers))
-                        raise _Failure(placement, reason, upstream.status, kept)
-                    if upstream.content_type == "text/event-stream":
-                        framer = SseFramer()
-                    # Wait for the first whole event (or the whole body): the commit point.
-                    while not first:
-                        chunk = await upstream.content.readany()
-                        if not chunk:
-                            first = framer.flush() if framer else b""
-                            break
-                        first = framer.feed(chunk) if framer else chunk
-            except aiohttp.ClientConnectorError as e:
+                        request.method, url, data=body, headers=headers
+                    )
+                    if upstream.status == 503:  # refused, not started: another daemon may
+                        kept = (await upstream.read(), CIMultiDict(upstream.headers))
+                        upstream.release()
+                        raise _Refused(placement, "unavailable", "HTTP 503", kept)
+                    if upstream.status == 401:  # the daemon refused the router, not the client
+                        await upstream.read()
+                        upstream.release()
+                        reason = "HTTP 401: the daemon refused the router's daemon_api_key_file"
+                        raise _Refused(placement, "unauthorized", reason)
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                # Never reached the daemon: nothing runs there, so the next placement may.
                 self.registry.mark_down(decode.url, time.monotonic())
-                raise _Failure(placement, f"connect failed: {e.os_error}") from e
+                raise _Refused(placement, "connect", f"connect failed: {e}") from e
+            except _Refused:
+                raise
             except (aiohttp.ClientError, TimeoutError) as e:
+                # The daemon had the request: it may be generating, so no other daemon gets it.
                 if upstream is not None:
                     upstream.close()
-                timeout = isinstance(e, TimeoutError)
-                reason = "timed out" if timeout else f"{type(e).__name__}: {e}"
-                raise _Failure(placement, reason, 504 if timeout else 502) from e
-            except _Failure:
-                if upstream is not None:
-                    upstream.release()
-                raise
+                return self._failed(request, placement, watched.lost, e)
             except BaseException:
                 # Cancelled (the client went away) or a bug: drop the daemon connection so the
                 # daemon sees the close and aborts the request instead of generating for nobody.
                 if upstream is not None:
                     upstream.close()
                 raise
-            return await _relay(request, upstream, placement, first, framer)
+            exchange = Exchange(
+                request, upstream, placement, watched, deadline, self.config.read_timeout_s,
+                ctx.admission, self.metrics,
+            )  # fmt: skip
+            return await exchange.relay()
+
+    def _failed(
+        self, request: web.Request, placement: Placement, lost: bool, e: BaseException
+    ) -> web.Response:
+        if isinstance(e, aiohttp.ClientError):
+            status, code, reason = 502, "upstream_failed", f"{type(e).__name__}: {e}"
+        elif lost:
+            self.metrics.daemon_lost.inc()
+            status, code, reason = 502, "upstream_failed", "the daemon stopped sending heartbeats"
+        else:
+            status, code, reason = 504, "timeout", "request_timeout_s exceeded"
+        log.warning("%s via %s failed: %s", request.path, placement.decode.url, reason)
+        resp = error_response(
+            status, f"the daemon did not complete the request ({reason})",
+            type="server_error", code=code,
+        )  # fmt: skip
+        resp.headers.update(pop_headers(placement))
+        return resp
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
 
 
-async def _relay(
-    request: web.Request,
-    upstream: aiohttp.ClientResponse,
-    placement: Placement,
-    first: bytes,
-    framer: SseFramer | None,
-) -> web.StreamResponse:
-    """Send the committed response to the client, chunk by chunk as the daemon produces it."""
-    resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-    resp.headers.extend(_kept(upstream.headers, _DROP_RESPONSE))
-    resp.headers.update(pop_headers(placement))
-    if upstream.content_length is not None and framer is None:
-        resp.content_length = upstream.content_length
-    try:
-        await resp.prepare(request)
-        out = first
-        while True:
-            if out:
-                await resp.write(out)
-            try:
-                raw = await upstream.content.readany()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                upstream.close()
-                reason = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}"
-                log.warning("%s via %s broke mid-body: %s", request.path, upstream.url, reason)
-                if framer is not None:
-                    # The held partial event is dropped: whole events, then the error, then end.
-                    await resp.write(sse_error_event(f"the daemon failed mid-stream ({reason})"))
-                elif request.transport is not None:
-                    # A plain body cannot carry an error: cut the connection so the client sees
-                    # a short body instead of a chunked one that would look complete.
-                    request.transport.abort()
-                    return resp
-                break
-            if not raw:  # end of the daemon's body
-                if framer is not None:
-                    await resp.write(framer.flush())
-                upstream.release()  # fully read: the pooled connection is reused
-                break
-            out = framer.feed(raw) if framer else raw
-    except asyncio.CancelledError:
-        upstream.close()  # the client left, or shutdown's grace ran out: tell the daemon
-        if framer is not None:
-            # At shutdown the client is still there: end its stream with an error event
-            # rather than a cut (when the client itself left, this write simply fails).
-            with contextlib.suppress(Exception):
-                await resp.write(sse_error_event("the router is shutting down"))
-        raise
-    except BaseException:
-        upstream.close()
-        raise
-    await resp.write_eof()
-    return resp
-
-
-def pop_headers(placement: Placement) -> dict[str, str]:
-    """Where a request ran; prefill is the decode PoP itself when the daemon prefills locally."""
-    prefill = placement.prefill if placement.prefill is not None else placement.decode
-    return {PREFILL_POP_HEADER: prefill.pop, DECODE_POP_HEADER: placement.decode.pop}
-
-
-def _request_headers(request: web.Request) -> CIMultiDict[str]:
-    headers = _kept(request.headers, _DROP_REQUEST)
-    if request.remote:
-        prior = request.headers.get("X-Forwarded-For")
-        headers["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else request.remote
-    return headers
-
-
-def _kept(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """End-to-end headers only; ``x-edge-*`` are the router's to set, in either direction."""
-    kept = [(k, v) for k, v in headers.items() if k.lower() not in drop]
-    return CIMultiDict((k, v) for k, v in kept if not k.lower().startswith("x-edge-"))
-
-
-def _give_up(failures: list[_Failure]) -> web.StreamResponse:
-    """Every placement failed: the last daemon 5xx passes through, else our own 502/504."""
-    for failure in reversed(failures):
-        if failure.upstream is not None:
-            raw, headers = failure.upstream
-            resp = web.Response(body=raw, status=failure.status)
-            resp.headers.extend(_kept(headers, _DROP_RESPONSE))
-            resp.headers.update(pop_headers(failure.placement))
+def _give_up(refusals: list[_Refused]) -> web.StreamResponse:
+    """No placement took the request: the last daemon 503 passes through, else our own."""
+    for refusal in reversed(refusals):
+        if refusal.upstream is not None:
+            raw, headers = refusal.upstream
+            resp = web.Response(body=raw, status=503)
+            resp.headers.extend(daemon_response_headers(headers))
+            resp.headers.update(pop_headers(refusal.placement))
             return resp
-    detail = "; ".join(f"{f.placement.decode.url}: {f.reason}" for f in failures)
-    if not failures:  # every placement was drained between select() and sending
+    if not refusals:  # every placement was drained between select() and sending
         return error_response(503, "no PoP can take this request now; retry shortly",
                               type="service_unavailable_error", code="no_placement")  # fmt: skip
-    status = 504 if all(f.status == 504 for f in failures) else 502
-    return error_response(status, f"no daemon could take the request ({detail})",
+    detail = "; ".join(f"{r.placement.decode.url}: {r.reason}" for r in refusals)
+    return error_response(502, f"no daemon could be reached ({detail})",
                           type="server_error", code="upstream_failed")  # fmt: skip

@@ -15,8 +15,16 @@ with :func:`record_placement`): without it every decision between two heartbeats
 same picture and the next seconds of traffic herd onto the same few cheapest daemons.
 
 "Local" prefill (P = D) skips the transfer; a ``both`` daemon may always do it, a ``decode`` one
-only for prompts up to ``local_prefill_max_tokens``. Request bytes are left out: ~5 bytes per
-prompt token against ~100 KB of KV, and the same for every candidate.
+only for prompts up to its own ``local_prefill_threshold`` (its heartbeats carry it, and its KV
+bytes per token). Request bytes are left out: ~5 bytes per prompt token against ~100 KB of KV,
+and the same for every candidate.
+
+Prefix hits (``features.prefix``: which daemons hold the prompt's leading blocks) switch to
+:mod:`edgeinfer.router.prefix_select`, which prices the uncached suffix and the blocks the
+decode daemon lacks. Without prefix knowledge, a session-affinity hint (``features.affinity``,
+:mod:`edgeinfer.router.session_affinity`) puts the session's daemon (of the PoP placement
+prefers) first when it is within the load bound, the ITL SLO and ``affinity_slack_s`` of the
+best.
 
 Rank: candidates meeting the ITL SLO by TTFT; if none does, the least bad (ITL + TTFT). Among
 candidates within ``near_tie_s`` of the best, two are drawn at random and the less loaded wins
@@ -34,7 +42,6 @@ pool in one small numpy matrix, the rest in plain Python.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -43,39 +50,15 @@ import numpy as np
 
 from edgeinfer.router.geo import GeoPoint
 from edgeinfer.router.inflight import PlacementLedger, Ticket
-from edgeinfer.router.load_arrays import PlacementConfig, prepared
-from edgeinfer.router.network import NetworkModel
+from edgeinfer.router.load_arrays import LoadArrays, PlacementConfig, Prepared, prepared
+from edgeinfer.router.network import FloatArray, NetworkModel
+from edgeinfer.router.placement import Placement, PrefixHits, RequestFeatures
 from edgeinfer.router.pop_registry import DaemonView
+from edgeinfer.router.prefix_select import select_with_prefix
 
-__all__ = ["Placement", "PlacementConfig", "RequestFeatures", "record_placement", "select"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestFeatures:
-    prompt_tokens: int
-    max_tokens: int
-    model: str | None  # None: the most widely served model
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Placement:
-    prefill: DaemonView | None  # None: the decode daemon prefills locally
-    decode: DaemonView
-    ttft_s: float
-    itl_s: float
-    meets_slo: bool
-    breakdown: dict[str, float]  # the TTFT terms (they sum to ttft_s) and itl_s
-
-    def describe(self) -> str:
-        b = {k: round(v * 1000, 1) for k, v in self.breakdown.items()}
-        where = "local" if self.prefill is None else f"{self.prefill.url} ({self.prefill.pop})"
-        slo = "" if self.meets_slo else " OVER SLO"
-        return (
-            f"decode {self.decode.url} ({self.decode.pop}) prefill {where}: ttft "
-            f"{self.ttft_s * 1000:.1f}ms = net {b['net_s']} + admit {b['admission_s']} + queue "
-            f"{b['prefill_queue_s']} + compute {b['prefill_compute_s']} + kv {b['kv_s']}; "
-            f"itl {b['itl_s']}ms{slo}"
-        )
+__all__ = [
+    "Placement", "PlacementConfig", "PrefixHits", "RequestFeatures", "record_placement", "select",
+]  # fmt: skip
 
 
 def select(
@@ -100,32 +83,31 @@ def select(
     a = prep.arrays(model, now) if model is not None else None
     if a is None or not a.d or limit < 1:
         return []
-    prompt = max(1, features.prompt_tokens)
     t = now if now is not None else 0.0  # queues are end times on this clock (load_arrays)
-    lat, lon = math.radians(client.lat), math.radians(client.lon)
-    xyz = (math.cos(lat) * math.cos(lon), math.cos(lat) * math.sin(lon), math.sin(lat))
-    net_s = net.rtt_floor_to_point_s(a.d_xyz, xyz)
-    h = prep.geo.xyz_of.get(here)
-    if h is None and here_point is not None:
-        hl, hn = math.radians(here_point.lat), math.radians(here_point.lon)
-        h = (math.cos(hl) * math.cos(hn), math.cos(hl) * math.sin(hn), math.sin(hl))
-    if h is not None and h[0] * xyz[0] + h[1] * xyz[1] + h[2] * xyz[2] >= prep.catchment_dot:
-        net_s = np.maximum(net_s, a.d_measured)
+    net_s = _net_to_client(prep, a, net, client, here, here_point)
+    if features.prefix is not None and features.prefix.hits:
+        return select_with_prefix(a, net, net_s, features, cfg, rng, limit, t)
+    prompt = max(1, features.prompt_tokens)
     # Keep the D with the best network + static cost; price them exactly below.
-    short = prompt <= cfg.local_prefill_max_tokens
+    short = prompt <= cfg.short_prompt_tokens
     k = cfg.decode_candidates
-    if len(a.d) > k:
-        sel = (net_s + (a.key_short if short else a.key_long)).argpartition(k - 1)[:k]
-    else:
-        sel = np.arange(len(a.d))
+    cost = net_s + (a.key_short if short else a.key_long)
+    sel = cost.argpartition(k - 1)[:k] if len(a.d) > k else np.arange(len(a.d))
+    # The session's daemon, when the client names a session and the prompt's cache is unknown:
+    # in the PoP placement prefers (affinity is within a location, not across the world).
+    sticky = None
+    if features.affinity and features.prefix is None:
+        home = int(a.d_pop[sel[cost[sel].argmin()]])
+        sticky = a.affinity_pick(features.affinity, home, cfg.load_eps)
+        if sticky is not None and sticky not in sel:
+            sel = np.append(sel, sticky)
     n = len(sel)
     pool_s, best_l, xfer = [math.inf] * n, [0] * n, None
     if len(a.pool):
         pool_compute = prompt * a.pool_inv  # [pool]
         # Pages of all chunks but the last stream while later chunks compute.
-        kv_bytes_s = prompt * cfg.kv_bytes_per_token / net.inter_pop_bytes_per_s
-        last_chunk_s = min(prompt, cfg.prefill_chunk_tokens) / prompt * kv_bytes_s
-        xfer = np.maximum(kv_bytes_s - pool_compute, last_chunk_s)  # [pool], when far
+        link_s = net.kv_link_s(prompt * a.kv_bytes_per_token)
+        xfer = net.kv_exposed_s(link_s, pool_compute, prompt, cfg.prefill_chunk_tokens)  # far
         ready = np.maximum(a.pool_end - t, 0.0)
         ready += pool_compute
         total = a.d_pool_far[sel] * xfer  # [n, pool]: RTT + transfer + queue + compute
@@ -140,9 +122,9 @@ def select(
     scored, terms_l = [], []
     # Conditional expressions rather than max()/min() calls: this loop is the hot spot.
     for j, di in enumerate(sel_l):
-        free, wait, l_end, linv, lim, c_end, cinv, pen, itl = d_rows[di]
+        free, wait, l_end, linv, lmax, c_end, cinv, pen, itl = d_rows[di]
         lq = l_end - t if l_end > t else 0.0
-        local = lq + prompt * linv if short else lq + prompt * linv + lim
+        local = lq + prompt * linv if prompt <= lmax else math.inf
         colo = (c_end - t if c_end > t else 0.0) + prompt * cinv
         best_prefill = local if local <= colo else colo
         if pool_s[j] < best_prefill:
@@ -157,7 +139,16 @@ def select(
     order = [j for _, j in scored]
     # Sorted, so the near-ties are a prefix.
     ties = order[: bisect.bisect_right(scored, (scored[0][0] + cfg.near_tie_s, math.inf))]
-    if len(ties) >= 2:
+    within = scored[0][0] + cfg.affinity_slack_s
+    if (
+        sticky is not None
+        and (j := sel_l.index(sticky)) in order
+        and terms_l[j][-1] <= cfg.itl_slo_s
+        and any(score <= within for score, jj in scored if jj == j)
+    ):
+        order.remove(j)
+        order.insert(0, j)
+    elif len(ties) >= 2:
         # Two distinct random picks without random.sample's overhead.
         i = rng.randrange(len(ties))
         i, j = ties[i], ties[(i + 1 + rng.randrange(len(ties) - 1)) % len(ties)]
@@ -198,8 +189,28 @@ def record_placement(
     b = placement.breakdown
     decode_lag = b["net_s"]
     prefill = placement.prefill.url if placement.prefill is not None else None
+    computed = placement.computed_tokens
     return pending.record(
-        now, placement.decode.url, prefill, features.prompt_tokens,
+        now, placement.decode.url, prefill,
+        computed if computed is not None else features.prompt_tokens,
         features.prompt_tokens + features.max_tokens, decode_lag,
         decode_lag + b["admission_s"] + b["kv_s"], b["prefill_compute_s"],
     )  # fmt: skip
+
+
+def _net_to_client(
+    prep: Prepared, a: LoadArrays, net: NetworkModel, client: GeoPoint, here: str,
+    here_point: GeoPoint | None,
+) -> FloatArray:  # fmt: skip
+    """RTT from the client to every D: the great-circle floor, or inside the router's own
+    catchment the RTT it measured to the daemon's PoP when that is larger."""
+    lat, lon = math.radians(client.lat), math.radians(client.lon)
+    xyz = (math.cos(lat) * math.cos(lon), math.cos(lat) * math.sin(lon), math.sin(lat))
+    net_s = net.rtt_floor_to_point_s(a.d_xyz, xyz)
+    h = prep.geo.xyz_of.get(here)
+    if h is None and here_point is not None:
+        hl, hn = math.radians(here_point.lat), math.radians(here_point.lon)
+        h = (math.cos(hl) * math.cos(hn), math.cos(hl) * math.sin(hn), math.sin(hl))
+    if h is not None and h[0] * xyz[0] + h[1] * xyz[1] + h[2] * xyz[2] >= prep.catchment_dot:
+        net_s = np.maximum(net_s, a.d_measured)
+    return net_s

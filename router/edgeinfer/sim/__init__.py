@@ -5,7 +5,9 @@ daemon is an engine whose step time comes from a measured profile (``profile``),
 is decided by the router's own ``selector.select`` fed by real heartbeats through a real
 ``PopRegistry`` (``policies``), or by a baseline. ``simulator`` runs the events, ``metrics``
 turns the requests into TTFT/ITL/goodput and utilisation, ``plots`` draws them and ``planner``
-searches prefill:decode splits. See docs/SIMULATION.md for the model and where it is approximate.
+searches prefill:decode splits. Prefix-sharing traces (Mooncake format) give every daemon a
+prefix cache (``prefix_cache``) and add the policies that use it (``prefix_policies``). See
+docs/SIMULATION.md for the model and where it is approximate.
 """
 
 from edgeinfer.shared.errors import EdgeInferError

@@ -94,7 +94,6 @@ class SimConfig:
     heartbeat_slot_s: float = 0.05
     net: NetworkModel = dataclasses.field(default_factory=NetworkModel)
     jitter_sigma: float = 0.15  # log-normal sigma of RTT / floor
-    intra_pop_gbps: float = 100.0  # P -> D inside one PoP
     kv_tokens_per_gpu: int = 300_000  # ~40 GB of bf16 Llama-3-8B KV
     max_seqs: int = 128
     connect_timeout_s: float = 0.5  # what a placement on a dead daemon costs before the next

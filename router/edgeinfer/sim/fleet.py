@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 CLOCK0 = 1_000.0  # registry clock at simulated t=0 (any positive origin works)
 MODEL = "sim-model"
+LOCAL_PREFILL_THRESHOLD = 512  # the daemons' default, advertised in their heartbeats
 
 
 def warm_rates(sim: Simulation, e: Engine) -> None:
@@ -45,13 +46,16 @@ def heartbeat(sim: Simulation, e: Engine, now: float) -> None:
     sim.hb_seq[e.idx] += 1
     host = e.url.removeprefix("http://").removesuffix(":8000")
     hb = Heartbeat(
-        daemon_id=e.url, pop=sim.topo.pops[e.pop].name, role=e.role,  # type: ignore[arg-type]
+        daemon_id=e.url, pop=sim.topo.pops[e.pop].name, role=e.role,
         model=MODEL, kv_endpoint=None if e.role == "decode" else f"tcp://{host}:5600",
         running=running, waiting=waiting, kv_blocks_free=kv_free, kv_blocks_total=e.kv_total,
         block_size=e.block_size, prefill_tokens_per_s=prefill_rate,
         decode_tokens_per_s=decode_rate, ttft_p50_s=None, itl_p50_s=itl,
         queued_prefill_tokens=queued, draining=False, drained=False,
-        in_flight=in_flight, seq=sim.hb_seq[e.idx],
+        in_flight=in_flight, kv_bytes_per_token=sim.prof.kv_bytes_per_token,
+        local_prefill_threshold=LOCAL_PREFILL_THRESHOLD,
+        prefill_chunk_tokens=sim.prof.max_num_batched_tokens, tokenizer_id=MODEL,
+        prefix_caching=sim.caches is not None, kv_event_seq=0, seq=sim.hb_seq[e.idx],
         started_at=sim.incarnation[e.idx], sent_at=sim.incarnation[e.idx] + now,
     )  # fmt: skip
     sim.registry.update(hb, CLOCK0 + now)
@@ -67,6 +71,8 @@ def fail(sim: Simulation, e: Engine, now: float) -> None:
     sim.inflight[e.idx].clear()
     orphans = [job for job in e.prefill_q if job[2] != e.idx and status[job[0]] == PENDING]
     e.reset()
+    if sim.caches is not None:
+        sim.caches.clear(e.idx)
     for job in orphans:
         sim.fallback(job[0], now)
 

@@ -5,6 +5,11 @@ mean gap between a request's tokens at its decode engine (the network adds the s
 every token, so gaps are the same at the client). Goodput is requests per second of the arrival
 window that finished within both SLOs; failed, rejected and unfinished requests count against
 it, which is the point of measuring goodput rather than throughput.
+
+Load balance is max / mean over the decode-capable engines of the requests each decoded, and
+over the prefill-capable ones of the prompt tokens each computed. On prefix-sharing workloads
+the block hit rate (blocks a prefill found in its engine's cache / blocks asked) is reported
+beside what an infinite cache and one pooled cache of the fleet's KV would have hit.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.sim.events import DONE, FAILED, REJECTED
+from edgeinfer.sim.prefix_cache import BLOCK_TOKENS, hit_rate_bounds
 from edgeinfer.sim.simulator import SimResult
 
 PERCENTILES = (50, 90, 99)
@@ -70,11 +76,46 @@ def summary(res: SimResult, slo: Slo) -> dict[str, Any]:
         "rejected": int((status == REJECTED).sum()),
         "counters": dict(res.counters),
         "kv_gb_cross_pop": res.counters["kv_bytes_cross_pop"] / 1e9,
+        "load_max_mean": load_balance(res),
+        "prefix": prefix_hits(res),
         "mean_utilisation": stage,
         "sim_s": res.sim_end_s,
         "wall_s": res.wall_s,
         "cpu_s": res.cpu_s,
         "requests_per_cpu_s": n / res.cpu_s if res.cpu_s > 0 else float("inf"),
+    }
+
+
+def _max_mean(x: np.ndarray) -> float | None:
+    return float(x.max() / x.mean()) if len(x) and x.mean() > 0 else None
+
+
+def load_balance(res: SimResult) -> dict[str, float | None]:
+    """Max / mean per engine: requests decoded (decode-capable engines), prompt tokens
+    computed (prefill-capable engines)."""
+    roles = [e["role"] for e in res.engines]
+    placed = res.requests["decode"][res.requests["status"] != REJECTED]
+    decoded = np.bincount(placed, minlength=len(roles))
+    d = np.array([r in ("decode", "both") for r in roles])
+    p = np.array([r in ("prefill", "both") for r in roles])
+    tokens = np.array([e["prompt_tokens"] for e in res.engines])
+    return {"decode": _max_mean(decoded[d]), "prefill": _max_mean(tokens[p])}
+
+
+def prefix_hits(res: SimResult) -> dict[str, float] | None:
+    """Block hit rate and its bounds; None when the workload names no blocks."""
+    blocks = res.workload.blocks
+    if blocks is None:
+        return None
+    c = res.counters
+    fleet = res.config.kv_tokens_per_gpu // BLOCK_TOKENS * res.topology.gpus
+    bounds = hit_rate_bounds(blocks, fleet)
+    asked = c["prefix_blocks_asked"]
+    return {
+        "block_hit_rate": c["prefix_blocks_hit"] / asked if asked else 0.0,
+        "infinite_cache_bound": bounds["infinite"],
+        "pooled_cache_bound": bounds["pooled"],
+        "blocks_asked": asked,
     }
 
 
@@ -84,11 +125,10 @@ def pop_utilisation(res: SimResult) -> dict[str, dict[str, float | None]]:
     span = max(res.sim_end_s, 1e-9)
     busy: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for e in res.engines:
-        pop, role = str(e["pop"]), str(e["role"])
-        b = busy[pop]
-        for stage, key in (("prefill", "prefill_s"), ("decode", "decode_s")):
-            if role in (stage, "both"):
-                b[stage] += float(e[key])  # type: ignore[arg-type]
+        b = busy[e["pop"]]
+        for stage, busy_s in (("prefill", e["prefill_s"]), ("decode", e["decode_s"])):
+            if e["role"] in (stage, "both"):
+                b[stage] += busy_s
                 b[f"{stage}_gpus"] += 1
     out: dict[str, dict[str, float | None]] = {}
     for pop, b in busy.items():

@@ -1,5 +1,8 @@
 """PNG figures of simulation results (matplotlib, headless). Each function writes one file.
 
+matplotlib comes with the ``edgeinfer[sim]`` extra; without it, importing this module raises a
+:class:`~edgeinfer.sim.SimError` that says so (commands import it only to draw).
+
 No map tiles or coastlines ship with the repo, so the world map is an equirectangular plot
 whose "continents" are the clients themselves (a density of where requests came from), with
 PoPs on top sized by the requests they served and coloured by their decode utilisation.
@@ -10,7 +13,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
+from edgeinfer.sim import SimError
+
+try:
+    import matplotlib
+except ModuleNotFoundError as exc:
+    raise SimError(
+        "figures need matplotlib, which comes with the sim extra: pip install 'edgeinfer[sim]'"
+    ) from exc
 
 matplotlib.use("Agg")  # files only: no display on servers and CI
 

@@ -10,12 +10,16 @@ implementation); they differ only in the topology they are given (disaggregated,
 (:mod:`edgeinfer.router.inflight`) and adds it to the reported load, as the proxy does: without
 it, "least loaded" sends everything to one daemon for a whole heartbeat period and would be a
 straw man. The selector policy records through the proxy's own helper.
+
+On prefix-sharing workloads the simulator hands every policy the prompt's block keys and
+(:meth:`Policy.attach`) the fleet's prefix caches; the policies that use them are in
+:mod:`edgeinfer.sim.prefix_policies`, the others place as before.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -29,6 +33,7 @@ from edgeinfer.router.selector import Placement, PlacementConfig, RequestFeature
 from edgeinfer.sim import SimError
 
 Choice = tuple[str, str | None]
+HitsFn = Callable[[Sequence[int]], dict[str, int]]
 # Which engines each policy is compared on: the GPU split ("split") or all colocated ("both").
 POLICY_TOPOLOGY = {
     "router": "split",
@@ -36,7 +41,17 @@ POLICY_TOPOLOGY = {
     "nearest": "both",
     "least-loaded": "split",
     "round-robin": "split",
+    # Prefix-sharing traces (edgeinfer.sim.prefix_policies): the selector as it is today,
+    # and the policies that know where prefixes are cached.
+    "router-prefix-blind": "split",
+    "max-prefix": "split",
+    "session-hash": "split",
+    "prefix-aware": "split",
 }
+
+
+# Compared on prefix-sharing traces (edgectl sim --trace); the others on any workload.
+PREFIX_TRACE_POLICIES = ("router-prefix-blind", "max-prefix", "session-hash", "prefix-aware")
 
 
 class Policy(Protocol):
@@ -44,8 +59,13 @@ class Policy(Protocol):
 
     def place(
         self, views: Sequence[DaemonView], pending: PlacementLedger, lat: float, lon: float,
-        f: RequestFeatures, here: str, now: float,
-    ) -> list[Choice]: ...  # fmt: skip
+        f: RequestFeatures, here: str, now: float, keys: Sequence[int] = (),
+    ) -> list[Choice]:  # fmt: skip
+        """Placements best first; ``keys``: the prompt's block keys where the workload has them."""
+        ...
+
+    def attach(self, hits: HitsFn) -> None:
+        """The fleet's prefix caches: block keys -> leading blocks held, per daemon URL."""
 
     def placed(self, k: int, f: RequestFeatures, pending: PlacementLedger, now: float) -> None:
         """The ``k``-th answer of the last :meth:`place` was sent at ``now``."""
@@ -59,9 +79,12 @@ class SelectorPolicy:
         self.rng = random.Random(seed)
         self._found: list[Placement] = []
 
+    def attach(self, hits: HitsFn) -> None:
+        """Prefix-blind: where prefixes are cached does not enter its placement."""
+
     def place(
         self, views: Sequence[DaemonView], pending: PlacementLedger, lat: float, lon: float,
-        f: RequestFeatures, here: str, now: float,
+        f: RequestFeatures, here: str, now: float, keys: Sequence[int] = (),
     ) -> list[Choice]:  # fmt: skip
         # Through the module, not a copied name: a test swaps in a spy to prove the two agree.
         self._found = selector.select(views, GeoPoint(lat, lon), f, self.net, self.cfg, self.rng,
@@ -81,6 +104,10 @@ class _Baseline:
         self.rng = random.Random(seed)
         self._views: Sequence[DaemonView] | None = None
         self._answer: tuple[DaemonView, DaemonView | None, float, float] | None = None
+        self.hits: HitsFn | None = None
+
+    def attach(self, hits: HitsFn) -> None:
+        self.hits = hits
 
     def _refresh(self, views: Sequence[DaemonView], pending: PlacementLedger) -> None:
         if views is self._views:
@@ -109,7 +136,7 @@ class _Baseline:
         self.pop_xyz = unit_vectors(lat_lon[:, 0], lat_lon[:, 1])
 
     def _local(self, d: DaemonView, f: RequestFeatures) -> bool:
-        return d.role == "both" or f.prompt_tokens <= self.cfg.local_prefill_max_tokens
+        return d.role == "both" or f.prompt_tokens <= d.local_prefill_threshold
 
     def _take(
         self, di: int, pi: int | None, f: RequestFeatures, lat: float, lon: float
@@ -149,7 +176,7 @@ class NearestPolicy(_Baseline):
 
     def place(
         self, views: Sequence[DaemonView], pending: PlacementLedger, lat: float, lon: float,
-        f: RequestFeatures, here: str, now: float,
+        f: RequestFeatures, here: str, now: float, keys: Sequence[int] = (),
     ) -> list[Choice]:  # fmt: skip
         self._refresh(views, pending)
         if not self.d:
@@ -166,7 +193,7 @@ class LeastLoadedPolicy(_Baseline):
 
     def place(
         self, views: Sequence[DaemonView], pending: PlacementLedger, lat: float, lon: float,
-        f: RequestFeatures, here: str, now: float,
+        f: RequestFeatures, here: str, now: float, keys: Sequence[int] = (),
     ) -> list[Choice]:  # fmt: skip
         self._refresh(views, pending)
         if not self.d:
@@ -186,7 +213,7 @@ class RoundRobinPolicy(_Baseline):
 
     def place(
         self, views: Sequence[DaemonView], pending: PlacementLedger, lat: float, lon: float,
-        f: RequestFeatures, here: str, now: float,
+        f: RequestFeatures, here: str, now: float, keys: Sequence[int] = (),
     ) -> list[Choice]:  # fmt: skip
         self._refresh(views, pending)
         if not self.d:
@@ -201,8 +228,13 @@ class RoundRobinPolicy(_Baseline):
 
 
 def make_policy(name: str, net: NetworkModel, cfg: PlacementConfig, seed: int) -> Policy:
-    if name in ("router", "colocated"):
+    # Here, not at the top: the prefix policies build on this module's baseline.
+    from edgeinfer.sim.prefix_policies import PREFIX_POLICIES
+
+    if name in ("router", "colocated", "router-prefix-blind"):
         return SelectorPolicy(name, net, cfg, seed)
+    if name in PREFIX_POLICIES:
+        return PREFIX_POLICIES[name](name, net, cfg, seed)
     if name == "nearest":
         return NearestPolicy(name, net, cfg, seed)
     if name == "least-loaded":

@@ -9,28 +9,39 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 from edgeinfer.router.selector import PlacementConfig
 from edgeinfer.sim import SimError
 from edgeinfer.sim.metrics import Slo
-from edgeinfer.sim.policies import POLICY_TOPOLOGY, make_policy
+from edgeinfer.sim.policies import POLICY_TOPOLOGY, PREFIX_TRACE_POLICIES, make_policy
 from edgeinfer.sim.profile import EngineProfile
 from edgeinfer.sim.simulator import SimConfig, SimResult, simulate
 from edgeinfer.sim.topology import Split, Topology
-from edgeinfer.sim.workload import Workload, azure_trace, scale, spread, synthetic
+from edgeinfer.sim.workload import (
+    Workload,
+    azure_trace,
+    compress,
+    mooncake_trace,
+    scale,
+    spread,
+    synthetic,
+)
 
 REGION_MIXES: dict[str, dict[str, float]] = {
     # Shares of demand at equal local time; the diurnal curve moves them over the day.
     "world": {"na": 0.3, "eu": 0.25, "as": 0.3, "sa": 0.07, "oc": 0.04, "af": 0.04},
     "three-continents": {"na": 0.35, "eu": 0.3, "as": 0.35},
 }
-POLICIES = tuple(POLICY_TOPOLOGY)
+POLICIES = tuple(p for p in POLICY_TOPOLOGY if p not in PREFIX_TRACE_POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadSpec:
     """``kind``: ``azure-code``, ``azure-conv``, ``chat``, ``rag`` or ``chat+rag:F`` (F of the
-    requests RAG); ``rate``: requests/s (synthetic) or x the trace's own rate (Azure)."""
+    requests RAG); ``rate``: requests/s (synthetic) or x the trace's own rate (Azure). With
+    ``trace`` (a Mooncake-format JSONL file) ``kind`` is ignored and ``rate`` compresses the
+    trace's time; its requests are not thinned (see ``workload``)."""
 
     kind: str
     rate: float
@@ -40,10 +51,15 @@ class WorkloadSpec:
     start_utc_h: float = 14.0
     day_s: float = 86_400.0
     seed: int = 0
+    trace: Path | None = None
 
     def build(self) -> Workload:
         if self.regions not in REGION_MIXES:
             raise SimError(f"unknown region mix {self.regions!r}; known: {list(REGION_MIXES)}")
+        if self.trace is not None:
+            lengths = compress(mooncake_trace(self.trace), self.rate, self.duration_s)
+            return spread(lengths, REGION_MIXES[self.regions], self.seed + 1, self.hotspot,
+                          self.start_utc_h, self.day_s, thin=False)  # fmt: skip
         if self.kind in ("azure-code", "azure-conv"):
             base = azure_trace(self.kind.removeprefix("azure-"))
             lengths = scale(base, self.rate, self.duration_s, self.seed)
@@ -58,8 +74,9 @@ class WorkloadSpec:
 
 
 def placement_config(prof: EngineProfile, slo: Slo) -> PlacementConfig:
-    """The router's placement settings for this deployment: its ITL SLO and KV size."""
-    return PlacementConfig(itl_slo_s=slo.itl_s, kv_bytes_per_token=prof.kv_bytes_per_token)
+    """The router's placement settings for this deployment: its ITL SLO (the KV size is the
+    daemons' own, in their heartbeats; ``prof`` sets it there)."""
+    return PlacementConfig(itl_slo_s=slo.itl_s)
 
 
 def topology_for(policy: str, topo: Topology) -> Topology:

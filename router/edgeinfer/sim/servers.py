@@ -20,6 +20,7 @@ import math
 from collections import deque
 from typing import Protocol
 
+from edgeinfer.shared.heartbeat import Role
 from edgeinfer.sim.events import STEP_END, Requests
 from edgeinfer.sim.profile import EngineProfile
 
@@ -35,6 +36,10 @@ class Simulated(Protocol):
 
     def prefilled(self, job: Job, now: float) -> None: ...
 
+    def cached(self, r: int, e: int) -> int: ...
+
+    def computed(self, r: int, e: int) -> None: ...
+
     def finished(self, r: int, engine: Engine) -> None: ...
 
 
@@ -47,7 +52,7 @@ class Engine:
     )  # fmt: skip
 
     def __init__(
-        self, idx: int, url: str, pop: int, role: str, prof: EngineProfile, kv_tokens: int,
+        self, idx: int, url: str, pop: int, role: Role, prof: EngineProfile, kv_tokens: int,
         max_seqs: int, reqs: Requests, sim: Simulated,
     ) -> None:  # fmt: skip
         self.idx, self.url, self.pop, self.role, self.prof = idx, url, pop, role, prof
@@ -96,6 +101,8 @@ class Engine:
                 self.sim.send_prefill(r, now)
 
     def enqueue(self, job: Job, now: float) -> None:
+        if job[1] == 0:  # a prefix this engine caches is not computed again
+            job[1] = self.sim.cached(job[0], self.idx)
         self.prefill_q.append(job)
         self.queued_tokens += self.reqs.prompt[job[0]] - job[1]
         if not self.busy:
@@ -217,6 +224,7 @@ class Engine:
             r = job[0]
             if job[1] >= prompt[r]:
                 self.prefill_q.popleft()  # chunks are taken in order: a finished job is first
+                self.sim.computed(r, self.idx)
                 if job[2] == self.idx:
                     self.reqs.first[r] = now
                     self._merge(r, now)

@@ -5,22 +5,31 @@ daemon costs a connect timeout, marks it down and moves to the next, as the prox
 travels half the client RTT to its decode engine and waits for admission there; for remote
 prefill its job travels half the P-D RTT, queues and computes on P, and its pages come back
 (the part of the transfer not hidden behind compute, plus half the RTT); it decodes at D; its
-first token goes back half the client RTT. RTTs are the router's fibre floor times log-normal
-jitter. Daemons report through real heartbeats into a real ``PopRegistry`` every period, and
-every placement is recorded in its ledger of pending placements as the proxy does.
+first token goes back half the client RTT. RTTs and transfer times are the router's own
+formulas (:class:`NetworkModel`: fibre floor, link rates, the overlap of pages with compute),
+RTTs times log-normal jitter. Daemons report through real heartbeats into a real
+``PopRegistry`` every period, and every placement is recorded in its ledger of pending
+placements as the proxy does.
+
+With a prefix-sharing workload (block keys per request) every engine has a prefix cache
+(:mod:`edgeinfer.sim.prefix_cache`): a prefill computes only what its engine lacks, and only
+the blocks the decode engine lacks travel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
+from collections.abc import Sequence
+from typing import TypedDict
 
 import numpy as np
 
 from edgeinfer.router.network import PopGeometry, unit_vectors
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry
+from edgeinfer.router.prefix_scoring import cached_tokens
 from edgeinfer.router.selector import RequestFeatures
+from edgeinfer.shared.heartbeat import Role
 from edgeinfer.sim import SimError
 from edgeinfer.sim.events import (
     AT_DECODE,
@@ -42,12 +51,26 @@ from edgeinfer.sim.events import (
 )
 from edgeinfer.sim.fleet import CLOCK0, MODEL, heartbeat, outage, refresh, warm_rates
 from edgeinfer.sim.policies import Policy
+from edgeinfer.sim.prefix_cache import BLOCK_TOKENS, FleetCaches
 from edgeinfer.sim.profile import EngineProfile
 from edgeinfer.sim.servers import Engine, Job
 from edgeinfer.sim.topology import Topology
 from edgeinfer.sim.workload import Workload
 
-ROLES = ("prefill", "decode", "both")
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+
+
+class EngineSummary(TypedDict):
+    """One engine's totals over a run (seconds busy, and tokens)."""
+
+    url: str
+    pop: str
+    role: Role
+    busy_s: float
+    prefill_s: float
+    decode_s: float
+    prompt_tokens: float
+    generated_tokens: float
 
 
 @dataclasses.dataclass
@@ -57,7 +80,7 @@ class SimResult:
     topology: Topology
     config: SimConfig
     requests: dict[str, np.ndarray]
-    engines: list[dict[str, object]]  # url, pop, role, busy_s, prefill_s, decode_s, tokens
+    engines: list[EngineSummary]
     timeline: dict[str, list[float]]  # per 'role region': busy fraction per bucket
     counters: dict[str, float]
     received: dict[str, int]  # requests whose decode engine was in each PoP
@@ -102,18 +125,24 @@ class Simulation:
                                for i in range(0, n, 65536)])  # fmt: skip
         self.here = [topo.pops[k].name for k in here.tolist()]
         self.p_xyz = self.geo.xyz.tolist()
-        self.s_per_rad = 6371.0088 / cfg.net.fibre_km_per_ms * 1e-3
         self.counters = dict.fromkeys(
             ("failed_in_flight", "rejected", "connect_failures", "prefill_fallbacks",
-             "kv_bytes_cross_pop", "kv_bytes_intra_pop", "remote_prefills"), 0.0)  # fmt: skip
+             "kv_bytes_cross_pop", "kv_bytes_intra_pop", "remote_prefills",
+             "prefix_blocks_asked", "prefix_blocks_hit"), 0.0)  # fmt: skip
+        # Prefix caches only where requests name their blocks; prompt tokens each prefill found.
+        self.blocks = work.blocks
+        self.caches = (FleetCaches(len(self.engines), cfg.kv_tokens_per_gpu // BLOCK_TOKENS)
+                       if work.blocks is not None else None)  # fmt: skip
+        self.hit_tokens = [0] * n
+        urls = [e.url for e in self.engines]
+        caches = self.caches
+        if caches is not None:
+            policy.attach(lambda keys: {urls[e]: k for e, k in caches.hits(keys).items()})
         # Utilisation timeline per "role region" (e.g. "decode eu"): the sun moves per region.
         self._group = [f"{e.role} {topo.pops[e.pop].region}" for e in self.engines]
         self._group_count = {g: self._group.count(g) for g in dict.fromkeys(self._group)}
         self.buckets: dict[str, list[float]] = {g: [] for g in self._group_count}
         self._busy_mark = dict.fromkeys(self._group_count, 0.0)
-        kv = prof.kv_bytes_per_token
-        self.kv_s_inter = kv / cfg.net.inter_pop_bytes_per_s
-        self.kv_s_intra = kv / (cfg.intra_pop_gbps * 1e9 / 8)
 
     # ---- callbacks from engines ------------------------------------------------------
     def push(self, t: float, kind: int, a: int = 0, b: int = 0, c: float = 0.0) -> None:
@@ -124,18 +153,39 @@ class Simulation:
         rtt = self.geo.rtt[self.engines[d].pop, self.engines[p].pop] * self.jitter[1][r]
         self.q.push(now + rtt / 2, AT_PREFILL, r)
 
+    def cached(self, r: int, e: int) -> int:
+        """Prompt tokens of ``r`` engine ``e`` holds (its prefill skips them)."""
+        if self.caches is None or self.blocks is None:
+            return 0
+        keys = self.blocks[r]
+        hit = self.caches.lookup(e, keys)
+        self.counters["prefix_blocks_asked"] += len(keys)
+        self.counters["prefix_blocks_hit"] += hit
+        self.hit_tokens[r] = cached_tokens(self.reqs.prompt[r], hit, BLOCK_TOKENS)
+        return self.hit_tokens[r]
+
+    def computed(self, r: int, e: int) -> None:
+        """Engine ``e`` has the KV of ``r``'s prompt (prefilled there, or its pages arrived)."""
+        if self.caches is not None and self.blocks is not None:
+            self.caches.insert(e, self.blocks[r])
+
     def prefilled(self, job: Job, now: float) -> None:
         r, d = job[0], job[2]
         pe, de = self.engines[self.reqs.prefill[r]], self.engines[d]
-        tokens, prof = self.reqs.prompt[r], self.prof
-        compute = tokens * prof.prefill_token_s + prof.prefill_attention_s * tokens * tokens / 2
+        tokens, prof, net = self.reqs.prompt[r], self.prof, self.cfg.net
+        done = self.hit_tokens[r]
+        compute = prof.prefill_s(tokens - done, done)
+        # Only what D lacks moves (all of it without prefix caches).
+        moved = tokens
+        if self.caches is not None and self.blocks is not None:
+            hit = self.caches.lookup(d, self.blocks[r])
+            moved = tokens - cached_tokens(tokens, hit, BLOCK_TOKENS)
         same = pe.pop == de.pop
-        link = tokens * (self.kv_s_intra if same else self.kv_s_inter)
-        # Pages of finished chunks stream while later chunks compute; the last chunk cannot.
-        kv_s = max(link - compute, link * min(1.0, prof.max_num_batched_tokens / tokens))
+        link = net.kv_link_s(moved * prof.kv_bytes_per_token, same_pop=same)
+        kv_s = float(net.kv_exposed_s(link, compute, moved, prof.max_num_batched_tokens))
         rtt = 0.0 if same else self.geo.rtt[pe.pop, de.pop] * self.jitter[1][r]
         key = "kv_bytes_intra_pop" if same else "kv_bytes_cross_pop"
-        self.counters[key] += tokens * prof.kv_bytes_per_token
+        self.counters[key] += moved * prof.kv_bytes_per_token
         self.counters["remote_prefills"] += 1
         self.q.push(now + kv_s + rtt / 2, KV_ARRIVED, r)
 
@@ -187,6 +237,7 @@ class Simulation:
             elif kind == KV_ARRIVED:
                 d = engines[self.reqs.decode[a]]
                 if self.reqs.status[a] == PENDING and d.alive:
+                    self.computed(a, d.idx)
                     d.join(a, t)
             elif kind == AT_PREFILL:
                 self._at_prefill(a, t)
@@ -212,7 +263,9 @@ class Simulation:
         f = RequestFeatures(reqs.prompt[r], reqs.output[r], MODEL)
         lat, lon = float(work.lat[r]), float(work.lon[r])
         delay, pending = 0.0, self.registry.pending
-        choices = self.policy.place(views, pending, lat, lon, f, self.here[r], CLOCK0 + now)
+        keys: Sequence[int] = self.blocks[r] if self.blocks is not None else ()
+        choices = self.policy.place(views, pending, lat, lon, f, self.here[r], CLOCK0 + now,
+                                    keys)  # fmt: skip
         for k, (d_url, p_url) in enumerate(choices):
             d = self.by_url[d_url]
             if not d.alive:
@@ -226,8 +279,8 @@ class Simulation:
             reqs.decode[r] = d.idx
             reqs.prefill[r] = self.by_url[p_url].idx if p_url else -1
             cx, px = self.c_xyz[r], self.p_xyz[d.pop]
-            dot = min(1.0, max(-1.0, cx[0] * px[0] + cx[1] * px[1] + cx[2] * px[2]))
-            floor = math.acos(dot) * self.s_per_rad + self.cfg.net.fixed_rtt_ms * 1e-3
+            dot = cx[0] * px[0] + cx[1] * px[1] + cx[2] * px[2]
+            floor = float(self.cfg.net.rtt_floor_from_dot_s(dot))
             reqs.net[r] = rtt = floor * self.jitter[0][r]
             self.inflight[d.idx].add(r)
             self.policy.placed(k, f, pending, CLOCK0 + now + delay)
@@ -280,7 +333,7 @@ class Simulation:
         placed = reqs["decode"][reqs["status"] != REJECTED]
         pops = np.bincount([self.engines[d].pop for d in placed.tolist()],
                            minlength=len(self.topo.pops))  # fmt: skip
-        engines = [
+        engines: list[EngineSummary] = [
             {"url": e.url, "pop": self.topo.pops[e.pop].name, "role": e.role, "busy_s": e.stats[0],
              "prefill_s": e.stats[1], "decode_s": e.stats[2], "prompt_tokens": e.stats[3],
              "generated_tokens": e.stats[4]}

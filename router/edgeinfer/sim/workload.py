@@ -1,9 +1,13 @@
 """Requests: when, how long, and from where.
 
 Lengths and arrival patterns come from the Azure LLM inference traces (2023: ``code`` and
-``conv``, one hour each) or from synthetic mixes; ``spread`` then places every request on the
-globe. A trace is scaled by overlaying time-shifted copies (keeping its burstiness and its
-length distribution) and thinned by the diurnal curve of the regions that are awake.
+``conv``, one hour each), from synthetic mixes, or from a prefix-sharing trace in the Mooncake
+FAST'25 format (``mooncake_trace``: the prompt as chained block keys, so requests share
+prefixes); ``spread`` then places every request on the globe. An Azure trace is scaled by
+overlaying time-shifted copies (keeping its burstiness and its length distribution) and thinned
+by the diurnal curve of the regions that are awake. A prefix trace is scaled by compressing its
+time instead (``compress``: copies would share each other's prefixes) and is not thinned; its
+requests sharing a first block (a conversation, or users of one document) come from one place.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime as dt
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,9 +29,11 @@ from edgeinfer.sim.topology import METROS
 # The traces live beside the repository (../shared/data/traces), not in it.
 TRACE_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces"
 AZURE_DIR = TRACE_DIR / "azure_llm_2023"
+MOONCAKE_TRACE = TRACE_DIR / "mooncake" / "synthetic_trace.jsonl"
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 MAX_PROMPT, MAX_OUTPUT = 16_000, 2_000  # the modelled engine's context, with room to decode
+Blocks = tuple[tuple[int, ...], ...]  # per request: its prompt's chained block keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +44,7 @@ class Lengths:
     prompt: IntArray
     output: IntArray
     name: str
+    blocks: Blocks | None = None  # a prefix-sharing trace's block keys, else None
 
     @property
     def duration_s(self) -> float:
@@ -55,6 +63,7 @@ class Workload:
     span_s: float  # the window arrivals were drawn over (goodput is per second of it)
     start_utc_h: float = 0.0  # UTC hour at t=0
     day_s: float = 86_400.0  # simulated seconds per day (< 86400: a compressed day)
+    blocks: Blocks | None = None  # per request: its prompt's block keys (prefix traces)
 
     def __len__(self) -> int:
         return len(self.t)
@@ -76,6 +85,58 @@ def azure_trace(kind: str, directory: Path = AZURE_DIR) -> Lengths:
     order = np.argsort(t, kind="stable")
     return Lengths(t[order] - t[order][0], _clip_prompt(prompt[order]),
                    np.clip(output[order], 1, MAX_OUTPUT), f"azure-{kind}")  # fmt: skip
+
+
+def mooncake_trace(path: Path = MOONCAKE_TRACE, block_tokens: int = 512) -> Lengths:
+    """A JSONL trace of ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}`` (one
+    key per ``block_tokens`` of the prompt). Prompts are not clipped: the keys would lie."""
+    t, prompt, output, blocks = [], [], [], []
+    try:
+        with path.open() as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    ms, p, o, keys = (row["timestamp"], row["input_length"],
+                                      row["output_length"], row["hash_ids"])  # fmt: skip
+                    ok = (all(isinstance(x, int) and not isinstance(x, bool) for x in (p, o))
+                          and isinstance(ms, int | float) and isinstance(keys, list)
+                          and all(isinstance(k, int) for k in keys))  # fmt: skip
+                except (ValueError, KeyError, TypeError) as e:
+                    raise SimError(f"{path}:{n}: not a trace record ({e})") from e
+                if not ok or p < 1 or o < 0 or ms < 0 or len(keys) != -(-p // block_tokens):
+                    raise SimError(
+                        f"{path}:{n}: need timestamp >= 0, input_length >= 1, output_length >= "
+                        f"0 and one hash id per {block_tokens} prompt tokens"
+                    )
+                t.append(ms / 1000.0)
+                prompt.append(p)
+                output.append(o)
+                blocks.append(tuple(keys))
+    except OSError as e:
+        raise SimError(f"cannot read trace {path}: {e}") from e
+    if not t:
+        raise SimError(f"{path}: no requests")
+    ts = np.asarray(t, dtype=np.float64)
+    order = np.argsort(ts, kind="stable")
+    return Lengths(ts[order] - ts[order][0], np.asarray(prompt, dtype=np.int64)[order],
+                   np.clip(np.asarray(output, dtype=np.int64)[order], 1, MAX_OUTPUT),
+                   path.stem, tuple(blocks[i] for i in order.tolist()))  # fmt: skip
+
+
+def compress(lengths: Lengths, factor: float, duration_s: float) -> Lengths:
+    """``factor`` x the trace's rate by dividing its times (every request once, in order, so
+    shared prefixes stay what they were); arrivals from ``duration_s`` on are cut."""
+    if factor <= 0 or duration_s <= 0:
+        raise SimError(f"cannot compress {lengths.name} by {factor} over {duration_s}s")
+    t = lengths.t / factor
+    keep = t < duration_s
+    blocks = None
+    if lengths.blocks is not None:
+        blocks = tuple(b for b, k in zip(lengths.blocks, keep.tolist()) if k)
+    return Lengths(t[keep], lengths.prompt[keep], lengths.output[keep],
+                   f"{lengths.name}x{factor:g}", blocks)  # fmt: skip
 
 
 def _clip_prompt(p: IntArray) -> IntArray:
@@ -144,11 +205,13 @@ def spread(
     hotspot: tuple[str, float] | None = None,
     start_utc_h: float = 12.0,
     day_s: float = 86_400.0,
+    thin: bool = True,
 ) -> Workload:
     """Place requests: region by share x its local diurnal demand at the arrival time, then a
     metro of the region by weight, jittered ~100 km. ``hotspot`` (metro, share) sends that share
-    of all requests to one metro on top (a launch, an event, a regional outage elsewhere). The
-    total is thinned by the mean diurnal demand, so traffic follows the sun."""
+    of all requests to one metro on top (a launch, an event, a regional outage elsewhere). With
+    ``thin`` the total is thinned by the mean diurnal demand, so traffic follows the sun. With
+    block keys, requests sharing a first block take the place of the first of them."""
     names = [r for r, w in regions.items() if w > 0]
     metros = {r: [m for m in METROS if m.region == r] for r in names}
     if not names or any(not metros[r] for r in names):
@@ -159,6 +222,8 @@ def spread(
     demand = np.array([regions[r] for r in names]) * diurnal((hour[:, None] + offsets) % 24.0)
     total = demand.sum(axis=1)
     keep = rng.random(len(total)) < total / max(sum(regions[r] for r in names), 1e-12)
+    if not thin:
+        keep[:] = True
     demand, n = demand[keep], int(keep.sum())
     cum = np.cumsum(demand / demand.sum(axis=1, keepdims=True), axis=1)
     pick = np.minimum((rng.random(n)[:, None] > cum).sum(axis=1), len(names) - 1)
@@ -180,6 +245,13 @@ def spread(
         lat[hot], lon[hot], region[hot] = metro.lat, metro.lon, metro.region
     lat = np.clip(lat + rng.normal(0, jitter, n), -89.0, 89.0)
     lon = (lon + rng.normal(0, jitter, n) + 180) % 360 - 180
+    blocks = None
+    if lengths.blocks is not None:
+        blocks = tuple(b for b, k in zip(lengths.blocks, keep.tolist()) if k)
+        roots = np.array([b[0] if b else -1 - i for i, b in enumerate(blocks)], dtype=np.int64)
+        _, first, inverse = np.unique(roots, return_index=True, return_inverse=True)
+        src = first[inverse.reshape(-1)]
+        lat, lon, region = lat[src], lon[src], region[src]
     return Workload(lengths.t[keep], lengths.prompt[keep], lengths.output[keep], lat, lon,
                     list(region), lengths.name, max(lengths.duration_s, 1e-9), start_utc_h,
-                    day_s)  # fmt: skip
+                    day_s, blocks)  # fmt: skip

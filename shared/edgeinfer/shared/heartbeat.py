@@ -1,181 +1,208 @@
-"""Heartbeat schema (version 1): what every edge daemon tells the routers about itself.
+"""Heartbeat schema (version 2): what every edge daemon tells the routers about itself and its
+prefix cache. docs/ARCHITECTURE.md ("Heartbeat schema") is the reference; each message is
+defined once here as a msgspec Struct, which is its encoder, decoder and validator at once.
 
-Each daemon publishes one heartbeat per interval (``heartbeat_interval_s``, default 5 s) on a
-ZeroMQ PUB socket; every router SUBscribes to all daemons. A message is a single frame holding a
-msgpack map with exactly these keys (more are ignored, see below):
+The heartbeat PUB socket carries two kinds of single-frame msgpack maps, told apart by their
+``type`` tag (:data:`DaemonMessage`):
 
-| key | type | meaning |
-|---|---|---|
-| `v` | int | schema version, 1 |
-| `daemon_id` | str | the daemon's HTTP base URL (`http://host:port`), its identity |
-| `pop` | str | the point of presence it runs in (must match the router's PoP table) |
-| `role` | str | `prefill`, `decode` or `both` |
-| `model` | str | the served model name clients send |
-| `kv_endpoint` | str or nil | ZeroMQ endpoint of its KV channel (prefill side), nil if none |
-| `running` | int | requests in the running batch |
-| `waiting` | int | requests queued for admission |
-| `kv_blocks_free` | int | free KV blocks (free prefix-cached blocks count as free) |
-| `kv_blocks_total` | int | KV blocks in the cache, >= `kv_blocks_free` |
-| `block_size` | int | tokens per KV block, >= 1 |
-| `prefill_tokens_per_s` | float | prompt tokens computed per busy second, recent window; 0 = not measured yet |
-| `decode_tokens_per_s` | float | tokens generated per busy second (whole batch), recent window; 0 = not measured yet |
-| `ttft_p50_s` | float or nil | median time to first token, recent window |
-| `itl_p50_s` | float or nil | median inter-token latency, recent window |
-| `queued_prefill_tokens` | int | prompt tokens not computed yet, over waiting and running requests |
-| `draining` | bool | refuses new requests (SIGTERM or admin drain) |
-| `drained` | bool | draining and nothing left in flight |
-| `in_flight` | int | requests accepted and not finished |
-| `seq` | int | per-process counter, +1 per heartbeat from 0 |
-| `started_at` | float | unix time the process started; a restart resets `seq` |
-| `sent_at` | float | unix time this heartbeat was built (for display; routers age by arrival) |
+- ``heartbeat`` (:class:`Heartbeat`): load, identity and the invariants a router needs to price
+  a placement (block size, KV bytes per token, the local-prefill threshold, the prefill chunk,
+  the tokenizer's identity), one per ``heartbeat_interval_s``. Unknown keys are *ignored*: a
+  daemon may add an optional field before every router knows it (daemons and routers upgrade
+  independently); changing the meaning or type of an existing key bumps ``v``.
+- ``kv_events`` (:class:`KvEvents`): the prefix-cache keys stored and evicted since the previous
+  batch, one message per engine step that changed the cache, numbered by a per-process ``seq``
+  so that a router notices a lost batch. Unknown keys are *refused*: the KV plane is exact.
 
-Rates are per *busy* second, not per wall second: an idle daemon is not a slow one, and the
-router needs speed to predict how long a queue takes to drain.
+:class:`KvSnapshot` (every cached key at one ``seq``) is the body of the daemon's
+``GET /v1/kv_snapshot``, which a router fetches when it first hears a daemon, after a restart
+and after a lost batch; it is not sent on the PUB socket (see ARCHITECTURE.md for why).
 
-Compatibility: a reader rejects any other `v`. Unknown keys are ignored so that a daemon may add
-an optional field before every router knows it (daemons and routers upgrade independently across
-hundreds of PoPs); changing the meaning or type of an existing key bumps `v`.
+Keys are the engine's chained, salted block hashes (16 bytes), packed back to back in one
+``bytes`` field: one msgpack ``bin`` instead of thousands of small ones.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-import msgpack
+import msgspec
 
 from edgeinfer.shared.errors import EdgeInferError
 
-HEARTBEAT_VERSION = 1
-# Far above any real heartbeat (~600 bytes); bounds what a garbage sender can make us parse.
+HEARTBEAT_VERSION: Literal[2] = 2
+# Far above any real heartbeat (~800 bytes); bounds what a garbage sender can make us parse.
 MAX_HEARTBEAT_BYTES = 64 * 1024
-_MAX_STR = 1024
-_MAX_WIRE_INT = 2**64 - 1  # msgpack's largest integer
+# An event batch holds at most the blocks one step can store or evict (a few thousand).
+MAX_EVENTS_BYTES = 16 * 1024 * 1024
+KEY_BYTES = 16  # one block key: blake2b-128 (engine.block_manager.block_hash)
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: frozenset[str] = frozenset({"prefill", "decode", "both"})
 
-_STR_FIELDS = ("daemon_id", "pop", "model")
-_COUNT_FIELDS = (
-    "running",
-    "waiting",
-    "kv_blocks_free",
-    "kv_blocks_total",
-    "queued_prefill_tokens",
-    "in_flight",
-    "seq",
-)
-_FLOAT_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "started_at", "sent_at")
-_OPTIONAL_FLOAT_FIELDS = ("ttft_p50_s", "itl_p50_s")
-_BOOL_FIELDS = ("draining", "drained")
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Url = Annotated[str, msgspec.Meta(pattern=r"^https?://", max_length=1024)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class HeartbeatError(EdgeInferError):
-    """A heartbeat is malformed: undecodable bytes, wrong version, missing or invalid field."""
+    """A daemon message is malformed: undecodable bytes, wrong version, missing or bad field."""
 
 
-def _is_int(value: object) -> bool:
-    # bool is an int subclass; a `true` where a count belongs is a producer bug, not a 1.
-    return isinstance(value, int) and not isinstance(value, bool)
+class HeartbeatVersionError(HeartbeatError):
+    """A well-formed message of another schema version (a daemon not upgraded)."""
 
 
-def _check_str(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value or len(value) > _MAX_STR:
-        raise HeartbeatError(
-            f"heartbeat field {name!r} must be a non-empty string of <= {_MAX_STR}"
-        )
+def _check_finite(obj: msgspec.Struct, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"field {name!r} must be finite")
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Heartbeat:
-    """One heartbeat; construction validates every field, so an invalid one cannot exist."""
+def _check_keys(name: str, blob: bytes) -> None:
+    if len(blob) % KEY_BYTES:
+        raise ValueError(f"{name} holds {len(blob)} bytes, not a multiple of {KEY_BYTES}")
 
-    v: int = HEARTBEAT_VERSION
-    daemon_id: str
-    pop: str
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_field="type"):
+    """One heartbeat; decoding validates every field, so an invalid one cannot exist."""
+
+    v: Literal[2] = HEARTBEAT_VERSION
+    daemon_id: Url  # the daemon's HTTP base URL, its identity
+    pop: Name
     role: Role
-    model: str
-    kv_endpoint: str | None
-    running: int
-    waiting: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    block_size: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    ttft_p50_s: float | None
-    itl_p50_s: float | None
-    queued_prefill_tokens: int
+    model: Name  # the served model name clients send
+    kv_endpoint: Name | None
+    running: Count
+    waiting: Count
+    kv_blocks_free: Count
+    kv_blocks_total: Count
+    block_size: Positive
+    prefill_tokens_per_s: Seconds
+    decode_tokens_per_s: Seconds
+    ttft_p50_s: Seconds | None
+    itl_p50_s: Seconds | None
+    queued_prefill_tokens: Count
     draining: bool
     drained: bool
-    in_flight: int
-    seq: int
-    started_at: float
-    sent_at: float
+    in_flight: Count
+    # Invariants of the served model and engine (constant for a process): the router prices
+    # placements with each daemon's own figures instead of hand-synced copies in its config.
+    kv_bytes_per_token: Positive  # K and V of every layer, as the KV plane moves them
+    local_prefill_threshold: Count  # prompts up to this many tokens never leave a decode daemon
+    prefill_chunk_tokens: Positive  # max_num_batched_tokens: the largest prompt chunk per step
+    tokenizer_id: Name  # hash of tokenizer.json + chat template: equal ids tokenise alike
+    prefix_caching: bool  # publishes kv_events (false: no cache, so never a prefix hit)
+    kv_event_seq: Count  # seq of the last kv_events batch published before this heartbeat
+    seq: Count  # per-process counter, +1 per heartbeat from 0
+    started_at: Seconds  # unix time the process started; a restart resets both seqs
+    sent_at: Seconds
 
     def __post_init__(self) -> None:
-        if not _is_int(self.v) or self.v != HEARTBEAT_VERSION:
-            raise HeartbeatError(f"unsupported heartbeat version {self.v!r}")
-        for name in _STR_FIELDS:
-            _check_str(name, getattr(self, name))
-        if not self.daemon_id.startswith(("http://", "https://")):
-            raise HeartbeatError(f"heartbeat daemon_id {self.daemon_id!r} is not an http(s) URL")
-        if not isinstance(self.role, str) or self.role not in ROLES:
-            raise HeartbeatError(f"heartbeat role {self.role!r} not in {sorted(ROLES)}")
-        if self.kv_endpoint is not None:
-            _check_str("kv_endpoint", self.kv_endpoint)
-        for name in _COUNT_FIELDS:
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise HeartbeatError(f"heartbeat field {name!r} must be an int >= 0, got {value!r}")
-        if not _is_int(self.block_size) or self.block_size < 1:
-            raise HeartbeatError(
-                f"heartbeat block_size must be an int >= 1, got {self.block_size!r}"
-            )
+        _check_finite(self, ("prefill_tokens_per_s", "decode_tokens_per_s", "started_at",
+                             "sent_at", "ttft_p50_s", "itl_p50_s"))  # fmt: skip
         if self.kv_blocks_free > self.kv_blocks_total:
-            raise HeartbeatError("heartbeat kv_blocks_free exceeds kv_blocks_total")
-        for name in _FLOAT_FIELDS + _OPTIONAL_FLOAT_FIELDS:
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL_FLOAT_FIELDS:
-                continue
-            # Producers in other languages may send 3 for 3.0; store one type either way.
-            if _is_int(value) and value <= _MAX_WIRE_INT:
-                value = float(value)
-            if not isinstance(value, float) or not 0 <= value < math.inf:
-                raise HeartbeatError(f"heartbeat field {name!r} must be a finite number >= 0")
-            object.__setattr__(self, name, value)
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise HeartbeatError(f"heartbeat field {name!r} must be a bool")
+            raise ValueError("kv_blocks_free exceeds kv_blocks_total")
 
     def encode(self) -> bytes:
-        """The wire form: one msgpack map keyed by field name."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return msgpack.packb(fields, use_bin_type=True)
+        return _ENCODER.encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Heartbeat:
-        """Parse and validate one message; anything wrong raises :class:`HeartbeatError`."""
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise HeartbeatError(f"heartbeat must be bytes, got {type(data).__name__}")
-        if len(data) > MAX_HEARTBEAT_BYTES:
-            raise HeartbeatError(f"heartbeat of {len(data)} bytes exceeds {MAX_HEARTBEAT_BYTES}")
+        msg = decode_message(data)
+        if not isinstance(msg, Heartbeat):
+            raise HeartbeatError(f"expected a heartbeat, got {type(msg).__name__}")
+        return msg
+
+
+class KvEvents(
+    msgspec.Struct, frozen=True, kw_only=True, tag="kv_events", tag_field="type",
+    forbid_unknown_fields=True,
+):  # fmt: skip
+    """Prefix-cache keys stored and evicted in batches ``first_seq..seq`` (consecutive batches
+    may be merged into one message). Each key appears in at most one of the two lists, with its
+    final state after the last batch, so applying a message twice or over a snapshot that
+    already includes it is harmless."""
+
+    daemon_id: Url
+    started_at: Seconds
+    first_seq: Positive
+    seq: Positive
+    stored: bytes = b""  # keys now cached, KEY_BYTES each
+    removed: bytes = b""  # keys no longer cached
+
+    def __post_init__(self) -> None:
+        _check_finite(self, ("started_at",))
+        if self.first_seq > self.seq:
+            raise ValueError("first_seq exceeds seq")
+        _check_keys("stored", self.stored)
+        _check_keys("removed", self.removed)
+
+    def encode(self) -> bytes:
+        return _ENCODER.encode(self)
+
+
+class KvSnapshot(
+    msgspec.Struct, frozen=True, kw_only=True, tag="kv_snapshot", tag_field="type",
+    forbid_unknown_fields=True,
+):  # fmt: skip
+    """Every key in a daemon's prefix cache as of kv_events batch ``seq`` (0: before any)."""
+
+    daemon_id: Url
+    started_at: Seconds
+    seq: Count
+    block_size: Positive
+    keys: bytes
+
+    def __post_init__(self) -> None:
+        _check_finite(self, ("started_at",))
+        _check_keys("keys", self.keys)
+
+    def encode(self) -> bytes:
+        return _ENCODER.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> KvSnapshot:
         try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        # The parser's own errors (truncated, extra data, bad UTF-8, unhashable or non-string
-        # map keys, nesting too deep) are all ValueError, TypeError or UnpackException.
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
-            raise HeartbeatError(f"heartbeat is not valid msgpack: {e}") from e
-        if not isinstance(obj, dict):
-            raise HeartbeatError(f"heartbeat must be a map, got {type(obj).__name__}")
-        if obj.get("v") != HEARTBEAT_VERSION or not _is_int(obj.get("v")):
-            raise HeartbeatError(f"unsupported heartbeat version {obj.get('v')!r}")
-        missing = sorted(_FIELD_NAMES - obj.keys())
-        if missing:
-            raise HeartbeatError(f"heartbeat misses fields {missing}")
-        kwargs: dict[str, Any] = {name: obj[name] for name in _FIELD_NAMES}
-        return cls(**kwargs)
+            return _SNAPSHOT_DECODER.decode(data)
+        except msgspec.DecodeError as e:
+            raise HeartbeatError(f"bad kv snapshot: {e}") from e
 
 
-_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Heartbeat))
+DaemonMessage = Heartbeat | KvEvents
+
+
+class _Versioned(msgspec.Struct):
+    v: object = None
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(DaemonMessage)
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(KvSnapshot)
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
+
+
+def decode_message(data: bytes) -> DaemonMessage:
+    """Parse and validate one frame of the heartbeat socket; anything wrong raises
+    :class:`HeartbeatError` (a version-1 heartbeat says so, for the operator's log)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise HeartbeatError(f"message must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_EVENTS_BYTES:
+        raise HeartbeatError(f"message of {len(data)} bytes exceeds {MAX_EVENTS_BYTES}")
+    try:
+        msg = _DECODER.decode(data)
+    except msgspec.DecodeError as e:
+        try:
+            version = _VERSION_DECODER.decode(data).v
+        except msgspec.DecodeError:
+            version = None
+        if version is not None and version != HEARTBEAT_VERSION:
+            raise HeartbeatVersionError(f"unsupported heartbeat version {version!r}") from e
+        raise HeartbeatError(f"bad daemon message: {e}") from e
+    if isinstance(msg, Heartbeat) and len(data) > MAX_HEARTBEAT_BYTES:
+        raise HeartbeatError(f"heartbeat of {len(data)} bytes exceeds {MAX_HEARTBEAT_BYTES}")
+    return msg

@@ -16,6 +16,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
+from edgeinfer.shared.request_ids import add_request_id_filter
+
 LogFormat = Literal["text", "json", "kv"]
 
 # aiohttp's access log line, for both servers: client, request line, status, bytes, seconds
@@ -86,8 +88,8 @@ class TextFormatter(_OneLine):
             level = f"{_COLOURS[level]}{level}{_RESET}"
         line = f"{fields['ts']} {level} {fields['logger']}: {_escape(fields['msg'])}"
         # Extras (aiohttp's access log sends a dozen) only repeat the message for a reader;
-        # the machine formats keep them. A traceback still goes on the same line.
-        for key in ("exc", "stack"):
+        # the machine formats keep them. The request id and a traceback still go on the line.
+        for key in ("request_id", "exc", "stack"):
             if key in fields:
                 line += f" {key}={_kv_value(fields[key])}"
         return line
@@ -125,6 +127,7 @@ def configure_logging(level: str, fmt: LogFormat, stream: TextIO | None = None) 
         handler = logging.StreamHandler(stream or sys.stderr)
         setattr(handler, _MARK, True)
         root.addHandler(handler)
+    add_request_id_filter(handler)
     target = getattr(handler, "stream", None) or sys.stderr
     handler.setFormatter(make_formatter(fmt, colour=wants_colour(target)))
     root.setLevel(level.upper())

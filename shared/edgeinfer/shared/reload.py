@@ -17,9 +17,22 @@ from edgeinfer.shared.errors import ConfigError
 from edgeinfer.shared.logs import configure_logging
 
 if TYPE_CHECKING:
+    from typing import Protocol, TypeGuard
+
     from _typeshed import DataclassInstance
 
-T = TypeVar("T", bound="DataclassInstance")
+    from edgeinfer.shared.logs import LogFormat
+
+    class Settings(DataclassInstance, Protocol):
+        """A process's frozen settings: a dataclass with the two logging settings."""
+
+        @property
+        def log_level(self) -> str: ...
+        @property
+        def log_format(self) -> LogFormat: ...
+
+
+T = TypeVar("T", bound="Settings")
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +45,16 @@ def changed_fields(old: DataclassInstance, new: DataclassInstance) -> dict[str, 
     out: dict[str, tuple[Any, Any]] = {}
     for field in dataclasses.fields(old):
         a, b = getattr(old, field.name), getattr(new, field.name)
-        if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
-            inner = changed_fields(a, b)  # type: ignore[arg-type]
+        if _is_dataclass_instance(a) and _is_dataclass_instance(b):
+            inner = changed_fields(a, b)
             out.update({f"{field.name}.{k}": v for k, v in inner.items()})
         elif a != b:
             out[field.name] = (a, b)
     return out
+
+
+def _is_dataclass_instance(value: object) -> TypeGuard[DataclassInstance]:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 class SettingsReloader(Generic[T]):
@@ -64,7 +81,7 @@ class SettingsReloader(Generic[T]):
                 self.current, **{k: new_value for k, (_, new_value) in applied.items()}
             )
             if applied.keys() & LOGGING_KEYS:
-                configure_logging(self.current.log_level, self.current.log_format)  # type: ignore[attr-defined]
+                configure_logging(self.current.log_level, self.current.log_format)
         for key, (old, new_value) in applied.items():
             log.info("SIGHUP: reloaded %s: %r -> %r", key, old, new_value)
         if kept:

@@ -57,17 +57,12 @@ class Fields:
         raise self._bad(name, "an object")
 
 
-def parse_prefill_endpoint(header: str | None, kv_params: dict[str, Any] | None) -> str | None:
-    """The prefill daemon a request names: the ``x-edge-prefill`` header (set by the router)
-    wins over ``kv_transfer_params.prefill_endpoint`` in the body."""
-    if header is not None:
-        endpoint: Any = header.strip()
-        param = PREFILL_HEADER
-    else:
-        endpoint = Fields(kv_params or {}, "kv_transfer_params.").text("prefill_endpoint")
-        param = "kv_transfer_params.prefill_endpoint"
-    if endpoint is None:
+def prefill_endpoint_value(value: str | None, param: str) -> str | None:
+    """A prefill daemon's ZeroMQ endpoint as a request names it (``param`` says where), checked
+    for shape only: whether it may be used is :mod:`~edgeinfer.daemon.api.caller`'s call."""
+    if value is None:
         return None
+    endpoint = value.strip()
     if not endpoint.startswith(_ENDPOINT_SCHEMES) or len(endpoint) > 256:
         raise APIError(400, f"{param} must be a ZeroMQ endpoint like tcp://host:port", param=param)
     return endpoint

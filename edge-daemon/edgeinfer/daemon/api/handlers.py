@@ -11,20 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
 
+from edgeinfer.daemon.api.cache_salt import CACHE_SALT_HEADER, effective_cache_salt
+from edgeinfer.daemon.api.caller import caller_of, trusted_prefill_endpoint
 from edgeinfer.daemon.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, json_response
-from edgeinfer.daemon.api.fields import PREFILL_HEADER
-from edgeinfer.daemon.api.protocol import Kind, ModelInfo, load_json, parse_request
+from edgeinfer.daemon.api.protocol import (
+    GenerateRequest,
+    Kind,
+    ModelInfo,
+    load_json,
+    parse_request,
+)
 from edgeinfer.daemon.api.responses import SSE_DONE, ResponseBuilder, sse
+from edgeinfer.daemon.api.structured import compile_constraint
+from edgeinfer.daemon.api.tokenize_pool import POOL_KEY
+from edgeinfer.daemon.api.tokenize_routes import add_tokenize_routes
 from edgeinfer.daemon.engine.errors import EngineError, InvalidRequestError
 from edgeinfer.daemon.engine.outputs import RequestOutput
 from edgeinfer.daemon.metrics import Outcome
-from edgeinfer.daemon.serving import RequestRunner, merge_streams
+from edgeinfer.daemon.serving import RequestRunner, merge_streams, share_prefill
 from edgeinfer.daemon.state import CONFIG_KEY, METRICS_KEY, STATE_KEY, Phase
 from edgeinfer.shared.errors import EdgeInferError
 
@@ -43,6 +54,7 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    add_tokenize_routes(app)
 
 
 def add_wrong_role_routes(app: web.Application) -> None:
@@ -95,20 +107,30 @@ def _admit(request: web.Request) -> tuple[RequestRunner, ModelInfo]:
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     metrics = request.app[METRICS_KEY]
     state = request.app[STATE_KEY]
-    try:
-        runner, model = _admit(request)
-        body = load_json(await request.read())
-        req = parse_request(kind, body, model, request.headers.get(PREFILL_HEADER))
-    except APIError as exc:
-        metrics.outcome("rejected" if exc.status == 503 else "invalid")
-        raise
-    builder = ResponseBuilder(req, model.name, model.tokenizer)
+    caller = caller_of(request)
+    # Tenants label metrics only when the router vouches for them: they then come from the
+    # operator's keys file (a bounded set), never from whatever a client sends.
+    tenant = caller.tenant if caller.authenticated else None
+    # Tracked from admission on, so a drain also waits for requests still being parsed.
     with state.track():
-        streams = [
-            runner.run(f"{builder.id}-{i}", ids, req.params, req.prefill_endpoint)
-            for i, ids in enumerate(req.prompts)
-        ]
-        outputs = merge_streams(streams)
+        try:
+            runner, model = _admit(request)
+            pool = request.app[POOL_KEY]
+            async with pool.admitted(request.content_length):
+                body = load_json(await request.read())
+                endpoint = trusted_prefill_endpoint(request, body)
+                req = await pool.run(parse_request, kind, body, model, endpoint)
+                if req.params.structured is not None:
+                    grammars = runner.engine.engine.grammars
+                    await compile_constraint(pool, grammars, req.params.structured)
+        except APIError as exc:
+            metrics.outcome("rejected" if exc.status == 503 else "invalid", tenant)
+            raise
+        builder = ResponseBuilder(req, model.name, model.tokenizer)
+        log.debug("request %s: %d prompt(s), tenant %s", builder.id, len(req.prompts), tenant)
+        # The header is the router's (clients' x-edge-* headers never get through it).
+        salt = effective_cache_salt(request.headers.get(CACHE_SALT_HEADER), req.cache_salt)
+        outputs = merge_streams(_choice_streams(runner, req, builder.id, salt))
         try:
             if req.stream:
                 response, outcome = await _stream(request, builder, outputs)
@@ -116,20 +138,48 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
                 response, outcome = await _collect(builder, outputs)
         except asyncio.CancelledError:
             # aiohttp cancels the handler when the connection drops; the iterators are closed.
-            metrics.outcome("client_disconnect")
+            metrics.outcome("client_disconnect", tenant)
             raise
         except APIError as exc:
-            metrics.outcome("invalid" if exc.status < 500 else "error")
+            metrics.outcome("invalid" if exc.status < 500 else "error", tenant)
             raise
-    metrics.outcome(outcome)
+    metrics.outcome(outcome, tenant)
     return response
+
+
+def _choice_streams(
+    runner: RequestRunner, req: GenerateRequest, request_id: str, salt: str | None
+) -> list[AsyncGenerator[RequestOutput, None]]:
+    """One engine request per choice, ``n`` per prompt; a prompt's later choices start once
+    its first one is prefilled, and prefill locally from the prefix cache it left."""
+    streams: list[AsyncGenerator[RequestOutput, None]] = []
+    for p, ids in enumerate(req.prompts):
+        rid = f"{request_id}-{p * req.n}"
+        first = runner.run(rid, ids, req.choice_params(0), req.prefill_endpoint, salt)
+        if req.n == 1:
+            streams.append(first)
+            continue
+        later = [
+            functools.partial(
+                runner.run,
+                f"{request_id}-{p * req.n + i}",
+                ids,
+                req.choice_params(i),
+                None,
+                salt,
+                local=True,
+            )
+            for i in range(1, req.n)
+        ]
+        streams.extend(share_prefill(first, later))
+    return streams
 
 
 async def _collect(builder: ResponseBuilder, outputs: Outputs) -> tuple[web.Response, Outcome]:
     try:
         async with contextlib.aclosing(outputs):
             async for index, out in outputs:
-                builder.choices[index].add(out)
+                builder.add(index, out)
     except InvalidRequestError as exc:
         raise APIError.invalid(exc) from exc
     except EngineError as exc:

@@ -2,22 +2,26 @@
 
 Every role serves these; a prefill daemon serves nothing else over HTTP. ``/v1/state`` is what
 the router polls to place requests, so it reports load (queues, KV blocks) along with identity.
+The first three need no key (see :mod:`~edgeinfer.daemon.api.caller`); ``/admin/*`` needs
+``admin_token`` and is closed (403) when none is set.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from edgeinfer.daemon.api.errors import APIError, json_response
+from edgeinfer.daemon.api.caller import presents_key
+from edgeinfer.daemon.api.errors import UNAVAILABLE, APIError, json_response
 from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.outputs import EngineStats
+from edgeinfer.daemon.kv_events import tokenizer_description
 from edgeinfer.daemon.state import CONFIG_KEY, METRICS_KEY, STATE_KEY, Phase
+from edgeinfer.kernels import kernel_choice
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +30,8 @@ def add_ops_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/state", state)
+    app.router.add_get("/v1/kv_snapshot", kv_snapshot)
+    app.router.add_get("/v1/tokenizer", tokenizer)
     app.router.add_post("/admin/drain", drain)
     app.router.add_post("/admin/undrain", undrain)
 
@@ -74,12 +80,16 @@ async def _state_body(request: web.Request) -> dict[str, Any]:
         "kv_endpoint": config.kv_endpoint if config.role != "decode" else None,
         "heartbeat_endpoint": config.heartbeat_endpoint,
         "block_size": config.block_size,
+        # The invariants routers price placements with (also in every heartbeat).
+        **(serving.plane.load.invariants if serving.plane is not None else {}),
         "max_model_len": serving.model.max_model_len if serving.model else None,
         "running": None,
         "waiting": None,
         "kv_blocks_total": None,
         "kv_blocks_free": None,
         "kv_cache_usage": None,
+        # The compiled CPU kernels chosen at load and their speed against what they replace.
+        "kernels": kernel_choice.summary(),
     }
     if stats is not None:
         body |= {
@@ -96,13 +106,47 @@ async def state(request: web.Request) -> web.StreamResponse:
     return json_response(await _state_body(request))
 
 
+async def kv_snapshot(request: web.Request) -> web.StreamResponse:
+    """Every key in the prefix cache (msgpack :class:`KvSnapshot`), for a router's index.
+    Keyed like the rest of ``/v1``: salted keys say which tenants' prompts are cached."""
+    serving = request.app[STATE_KEY]
+    events = serving.plane.kv_events if serving.plane is not None else None
+    engine = serving.engine
+    if events is None or engine is None or not engine.is_alive:
+        raise APIError(503, "no prefix cache to snapshot", type=UNAVAILABLE, code="no_kv_snapshot")
+    try:
+        snap = await engine.call(events.snapshot)
+    except EngineError as e:
+        raise APIError(503, str(e), type=UNAVAILABLE, code="no_kv_snapshot") from e
+    return web.Response(body=snap.encode(), content_type="application/vnd.msgpack")
+
+
+async def tokenizer(request: web.Request) -> web.StreamResponse:
+    """How this daemon turns requests into token ids (tokenizer.json, chat template, special
+    tokens) and its ``tokenizer_id``, for a router to compute the same block keys. Keyed like
+    the rest of ``/v1``; fetched once per ``tokenizer_id``."""
+    engine = request.app[STATE_KEY].engine
+    if engine is None or not engine.is_alive:
+        raise APIError(503, "the model is not loaded", type=UNAVAILABLE, code="no_tokenizer")
+    try:
+        body = await engine.call(tokenizer_description)
+    except EngineError as e:
+        raise APIError(503, str(e), type=UNAVAILABLE, code="no_tokenizer") from e
+    return json_response(body)
+
+
 def _authorize(request: web.Request) -> None:
     token = request.app[CONFIG_KEY].admin_token
     if token is None:
-        return
-    given = request.headers.get("Authorization", "")
+        # Closed, not open: whoever reaches the port could otherwise drain the daemon.
+        raise APIError(
+            403,
+            "admin endpoints are disabled: set admin_token (EDGEINFER_ADMIN_TOKEN) to use them",
+            type="permission_error",
+            code="admin_disabled",
+        )
     # Constant-time comparison: the admin token must not leak through response timing.
-    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+    if not presents_key(request, token):
         raise APIError(
             401,
             "admin endpoints need 'Authorization: Bearer <admin_token>'",

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _IDLE_WAIT_S = 0.05
+_abandoned_builds: set[threading.Thread] = set()  # see AsyncEngine.abandoned_builds
 
 
 class AsyncEngine:
@@ -50,12 +51,20 @@ class AsyncEngine:
         # Called in the engine thread after every step with (seconds, prompt tokens computed,
         # tokens generated): how the daemon measures its prefill and decode rates.
         self.on_step: Callable[[float, int, int], None] | None = None
+        # Called in the engine thread after a step that changed the prefix cache, with the
+        # block manager's changes (see BlockManager.take_changes): the daemon's kv_events.
+        self.on_kv_events: Callable[[dict[bytes, bool]], None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
     @classmethod
     async def launch(cls, build: Callable[[], LLMEngine]) -> AsyncEngine:
         """Build an engine with ``build()`` in a new engine thread and start stepping it there
-        (see the module docstring for why one thread does both); raises what ``build`` does."""
+        (see the module docstring for why one thread does both); raises what ``build`` does.
+
+        Cancelling the caller abandons the build: it runs on in its thread (a thread inside
+        torch cannot be interrupted) and the engine it returns stops at once. Until then the
+        thread is listed by :meth:`abandoned_builds`.
+        """
         loop = asyncio.get_running_loop()
         ready: Future[AsyncEngine] = Future()
         abandoned = threading.Event()  # the caller was cancelled: nobody will stop the engine
@@ -74,18 +83,29 @@ class AsyncEngine:
             if not abandoned.is_set():
                 engine._run()
 
-        threading.Thread(target=main, name="edgeinfer-engine", daemon=True).start()
+        thread = threading.Thread(target=main, name="edgeinfer-engine", daemon=True)
+        thread.start()
         try:
             return await asyncio.wrap_future(ready)
         except asyncio.CancelledError:
-            # Loading goes on in the thread; whatever it builds stops at once (set before the
-            # check below, so the thread either sees the flag or its engine is stopped here).
+            # Whatever the thread builds stops at once (set before the check below, so the
+            # thread either sees the flag or its engine is stopped here).
             abandoned.set()
-            if ready.done() and ready.exception() is None:
+            _abandoned_builds.add(thread)
+            if ready.done() and not ready.cancelled() and ready.exception() is None:
                 orphan = ready.result()
                 orphan._stopping = True
                 orphan._wake.set()
             raise
+
+    @staticmethod
+    def abandoned_builds() -> list[threading.Thread]:
+        """Threads of cancelled :meth:`launch` calls that still run (building, or stopping
+        what they built). The interpreter must not finalize while one is inside torch: its
+        exit tears down torch and OpenMP under the thread (SIGSEGV, or SIGABRT when the thread
+        is unwound through C++ frames)."""
+        _abandoned_builds.difference_update([t for t in _abandoned_builds if not t.is_alive()])
+        return list(_abandoned_builds)
 
     def start(self) -> None:
         """Start stepping an engine built elsewhere (tests, tools); a server uses
@@ -143,13 +163,16 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         prefill_only: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs; closing the iterator early aborts it."""
         q = self.open_stream(request_id)
         finished = False
         try:
             await self.call(
-                lambda e: e.add_request(request_id, prompt, params, prefill_only=prefill_only)
+                lambda e: e.add_request(
+                    request_id, prompt, params, prefill_only=prefill_only, cache_salt=cache_salt
+                )
             )
             async for out in self.iterate(q):
                 finished = out.finished
@@ -203,6 +226,10 @@ class AsyncEngine:
                 e.prompt_tokens_computed - prompt,
                 e.generation_tokens - generated,
             )
+        if self.on_kv_events is not None:
+            changes = e.block_manager.take_changes()
+            if changes:
+                self.on_kv_events(changes)
         if outputs:
             self._deliver(outputs)
 

@@ -5,29 +5,24 @@ is full and its content hash is registered: a later sequence whose prompt starts
 tokens (same chain of hashes) reuses it instead of recomputing it. Freed cached blocks stay
 reusable until they are evicted, least recently freed first. ``can_*`` methods only check;
 ``allocate``/``free``/``cache_full_blocks`` mutate.
+
+A sequence's ``cache_salt`` seeds its chain: the first block's parent is a key derived from
+the salt instead of the root, so every key of a salted sequence differs from those of unsalted
+sequences and of other salts, and only sequences with equal salts share blocks (tenants'
+prompts stay apart: no reuse, so no hit to observe).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import numpy as np
-
 from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.sequence import Sequence
+from edgeinfer.shared.block_keys import block_hash, salt_key
 
-_ROOT_HASH = b"edgeinfer-kv-v1"
-
-
-def block_hash(parent: bytes | None, token_ids: Seq[int]) -> bytes:
-    """Content hash of a full block, chained over its parent so equal blocks at different
-    prefixes never collide. A cryptographic digest: a crafted prompt cannot poison the cache."""
-    h = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.digest()
+__all__ = ["Block", "BlockManager", "block_hash", "salt_key"]
 
 
 @dataclass
@@ -54,6 +49,9 @@ class BlockManager:
         # Per sequence: hashes of its leading full blocks, computed once.
         self._seq_hashes: dict[int, list[bytes]] = {}
         self._registered: dict[int, int] = {}
+        # Keys registered (True) or dropped (False) since take_changes(), each with its final
+        # state; None until track_changes() (nobody reads them: the daemon's kv_events).
+        self._changes: dict[bytes, bool] | None = None
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -76,9 +74,8 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(id(seq), [])
         bs = self.block_size
         for i in range(len(hashes), seq.num_tokens // bs):
-            hashes.append(
-                block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs])
-            )
+            parent = hashes[-1] if hashes else salt_key(seq.cache_salt)
+            hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def match_prefix(self, seq: Sequence, max_tokens: int | None = None) -> list[int]:
@@ -142,6 +139,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
                 del self._hash_to_block[block.hash]
+                if self._changes is not None:
+                    self._changes[block.hash] = False
             block.hash = None
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -163,7 +162,9 @@ class BlockManager:
                 continue
             block.hash = hashes[i]
             # First writer wins; an identical block computed concurrently stays private.
-            self._hash_to_block.setdefault(hashes[i], block.block_id)
+            won = self._hash_to_block.setdefault(hashes[i], block.block_id) == block.block_id
+            if won and self._changes is not None:
+                self._changes[hashes[i]] = True
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so the shared head of a prefix outlives it."""
@@ -191,6 +192,25 @@ class BlockManager:
             self.blocks[block_id].hash = None
             self._free_clean.append(block_id)
         self._free_cached.clear()
-        self._hash_to_block = {
-            h: b for h, b in self._hash_to_block.items() if self.blocks[b].ref_count > 0
-        }
+        kept = {h: b for h, b in self._hash_to_block.items() if self.blocks[b].ref_count > 0}
+        if self._changes is not None:
+            self._changes.update(dict.fromkeys(self._hash_to_block.keys() - kept.keys(), False))
+        self._hash_to_block = kept
+
+    # ---- change feed (the daemon publishes it to the routers' prefix index) ------------
+    def track_changes(self) -> None:
+        """Start recording registered and dropped keys for :meth:`take_changes`."""
+        if self._changes is None:
+            self._changes = {}
+
+    def take_changes(self) -> dict[bytes, bool]:
+        """Keys whose cached state changed since the last call: True cached, False gone."""
+        changes = self._changes
+        if not changes:
+            return {}
+        self._changes = {}
+        return changes
+
+    def cached_keys(self) -> list[bytes]:
+        """Every key a prefix lookup can hit now."""
+        return list(self._hash_to_block)

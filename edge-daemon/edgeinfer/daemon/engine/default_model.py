@@ -85,6 +85,10 @@ def _ensure_built(name: str, build: Callable[[Path, _Status], None], show_progre
         # Another process may have finished the build while this one waited for the lock.
         if (target / "config.json").is_file():
             return target
+        # Under the lock no other build runs: a folder left here is from a process that ended
+        # mid-build (the daemon exits without cleaning up when stopped while it loads).
+        for stale in models.glob(f".{name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
         try:
             build(tmp, _Status(show_progress))

@@ -14,11 +14,13 @@ bfloat16 weights are packed too where the CPU has bf16 dot products (AVX512-BF16
 there a whole SmolLM2 decode step's projections at 8 tokens took 10.5 ms against 18.1 ms in
 packed float32, and a 256-token prefill chunk's 81 ms against 186 ms (2 EPYC cores).
 
-float32 steps of up to eight rows (decode of up to eight sequences) run on
+float32 steps of up to eight rows (decode of up to eight sequences) can run on
 :mod:`~edgeinfer.kernels.skinny_gemm` instead, which streams a copy of the weight laid out in
 panels closer to the memory's read bandwidth than oneDNN's matmul does (1.1-1.4x on SmolLM2's
-projections): such weights are held twice, in panels and packed (``EDGEINFER_NATIVE_KERNELS=0``
-keeps only the packed copy). bf16 stays on oneDNN, whose bf16 dot products read faster.
+projections on the hosts it was written on): it runs at the shapes and row counts where it beat
+oneDNN at load (``kernel_trials``), and a weight where it never did gives its panels back. Until
+then such weights are held twice, in panels and packed (``EDGEINFER_NATIVE_KERNELS=0`` keeps only
+the packed copy). bf16 stays on oneDNN, whose bf16 dot products read faster.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., in]`` and ``weight [out, in]`` (or :func:`pack` of
     it); ``skinny`` is ``skinny_gemm.prepare`` of the weight, used for steps of a few rows."""
-    if skinny is not None and x.numel() <= skinny_gemm.max_rows() * x.shape[-1]:
+    if skinny is not None and skinny.runs(x.numel() // x.shape[-1]):
         return skinny_gemm.skinny_linear(x, skinny, bias)
     # oneDNN takes a packed weight, and a plain one where it would have been packed.
     if x.dtype == weight.dtype and (weight.is_mkldnn or can_pack(weight)):

@@ -11,6 +11,9 @@ wraps it for asyncio. Disaggregated serving splits a request across two engines:
 * decode side: ``reserve_remote`` allocates blocks (reusing its own prefix cache and saying how
   many tokens it already holds), ``import_kv`` writes arriving pages, ``commit_remote`` adds
   the first token and starts decoding.
+
+Every request may carry a ``cache_salt``: only requests with equal salts share prefix-cache
+blocks (see :mod:`block_manager`). Salting changes which blocks are reused, never a token.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.model_runner import ModelRunner
 from edgeinfer.daemon.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from edgeinfer.daemon.engine.parallel.executor import ParallelExecutor
+from edgeinfer.daemon.engine.prompt_logprobs import score_prompt_positions
 from edgeinfer.daemon.engine.request_state import RequestState
 from edgeinfer.daemon.engine.sampler import Sampler, SamplingState
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.scheduler import Scheduler
 from edgeinfer.daemon.engine.sequence import FinishReason, Sequence, SequenceStatus
+from edgeinfer.daemon.engine.structured import GrammarCompiler
 from edgeinfer.daemon.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +56,7 @@ class Completion:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLMEngine:
@@ -79,6 +85,10 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        # Constrained decoding (built lazily on the first constrained request).
+        self.grammars = GrammarCompiler.from_dir(
+            self.model_dir, self.model_config.vocab_size, self.eos_token_ids
+        )
         self._requests: dict[str, RequestState] = {}
         self._num_preemptions = 0
         self._prompt_tokens = 0
@@ -104,15 +114,23 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         prefill_only: bool = False,
+        cache_salt: str | None = None,
     ) -> int:
         """Queue a request; returns its prompt length in tokens."""
-        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
+        req = self._new_request(
+            request_id, prompt, params or SamplingParams(), prefill_only, cache_salt
+        )
         self._requests[request_id] = req
         self.scheduler.add(req.seq)
         return req.seq.num_prompt_tokens
 
     def _new_request(
-        self, request_id: str, prompt: str | Seq[int], params: SamplingParams, prefill_only: bool
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        prefill_only: bool,
+        cache_salt: str | None,
     ) -> RequestState:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -122,8 +140,14 @@ class LLMEngine:
             request_id=request_id,
             token_ids=ids,
             params=params,
-            sampling=SamplingState(params, ids, self.eos_token_ids),
+            sampling=SamplingState(
+                params,
+                ids,
+                self.eos_token_ids,
+                self.grammars.matcher(params.structured) if params.structured else None,
+            ),
             prefill_only=prefill_only,
+            cache_salt=cache_salt,
         )
         return RequestState(seq, self.tokenizer)
 
@@ -177,6 +201,11 @@ class LLMEngine:
         if not batch:
             return []
         logits, samplers = self.runner.execute(batch)
+        if logits.shape[0] > len(samplers):
+            scored = score_prompt_positions(logits[len(samplers) :], batch.entries)
+            for seq, index, score in scored:
+                self._requests[seq.request_id].record_prompt_logprob(index, score)
+            logits = logits[: len(samplers)]
         for seq, n in batch.entries:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -217,12 +246,15 @@ class LLMEngine:
         out.new_token_ids.append(token)
         if logprob is not None:
             out.new_logprobs = [logprob]
+        out.prompt_logprobs = req.take_prompt_logprobs()
         if seq.prefill_only:
             seq.token_ids.append(token)
             seq.sampling.append(token)
             out.kv_blocks_ready = len(seq.block_table)
             return self._finish(req, FinishReason.PREFILLED, None, out)
         reason, stop_reason = req.append_token(token, self.max_model_len)
+        if reason is None and seq.sampling.constraint_finished:
+            reason = FinishReason.STOP  # the grammar is complete: nothing more may follow
         out.new_text = req.take_text(final=reason is not None)
         out.num_output_tokens = seq.num_output_tokens
         if reason is None:
@@ -284,11 +316,17 @@ class LLMEngine:
 
     # ---- disaggregation: decode side --------------------------------------------------
     def reserve_remote(
-        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
     ) -> int:
         """Allocate blocks for a prompt prefilled elsewhere; returns how many leading tokens
-        this engine already holds (whole blocks), which the prefill side need not send."""
-        req = self._new_request(request_id, prompt_token_ids, params, prefill_only=False)
+        this engine already holds (whole blocks, under ``cache_salt``), which the prefill side
+        need not send."""
+        req = self._new_request(request_id, prompt_token_ids, params, False, cache_salt)
         seq = req.seq
         bm = self.block_manager
         cached = bm.match_prefix(seq)
@@ -297,10 +335,10 @@ class LLMEngine:
             raise EngineError("not enough free KV blocks to reserve for a remote prefill")
         bm.record_prefix_query(bm.blocks_for(seq.num_tokens))
         bm.allocate(seq, seq.num_tokens, cached)
-        seq.num_cached_tokens = len(cached) * bm.block_size
+        seq.num_held_tokens = len(cached) * bm.block_size
         seq.status = SequenceStatus.REMOTE_PENDING
         self._requests[request_id] = req
-        return seq.num_cached_tokens
+        return seq.num_held_tokens
 
     def import_kv(
         self, request_id: str, start_block: int, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -309,7 +347,7 @@ class LLMEngine:
         ``start_block`` onwards; blocks shared through the prefix cache are never written."""
         seq = self._held(request_id, SequenceStatus.REMOTE_PENDING)
         n = k.shape[0]
-        first_private = seq.num_cached_tokens // self.config.block_size
+        first_private = seq.num_held_tokens // self.config.block_size
         if start_block < first_private or start_block + n > len(seq.block_table):
             raise EngineError(
                 f"KV pages for blocks [{start_block}, {start_block + n}) fall outside the "
@@ -322,11 +360,19 @@ class LLMEngine:
         )
 
     def commit_remote(
-        self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        logprob: TokenLogprob | None = None,
+        *,
+        num_cached_tokens: int = 0,
     ) -> RequestOutput:
-        """All pages arrived: account the prompt as computed and start decoding."""
+        """All pages arrived: account the prompt as computed and start decoding.
+        ``num_cached_tokens``: the prompt tokens the prefill side's prefix cache held, the only
+        ones computed nowhere for this request (it computed those held here too)."""
         seq = self._held(request_id, SequenceStatus.REMOTE_PENDING)
         req = self._requests[request_id]
+        seq.num_cached_tokens = min(max(num_cached_tokens, 0), seq.num_prompt_tokens)
         seq.num_computed_tokens = seq.num_tokens
         self.block_manager.cache_full_blocks(seq)
         self.scheduler.add_running(seq)
@@ -336,10 +382,17 @@ class LLMEngine:
         return self._on_token(req, first_token, logprob)
 
     # ---- helpers --------------------------------------------------------------------
-    def cached_prefix_tokens(self, prompt_token_ids: Seq[int]) -> int:
-        """How many leading tokens of a prompt the prefix cache holds now (a check only)."""
+    def cached_prefix_tokens(
+        self, prompt_token_ids: Seq[int], *, cache_salt: str | None = None
+    ) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now under
+        ``cache_salt`` (a check only)."""
         probe = Sequence(
-            "__probe__", list(prompt_token_ids), SamplingParams(), SamplingState(SamplingParams())
+            "__probe__",
+            list(prompt_token_ids),
+            SamplingParams(),
+            SamplingState(SamplingParams()),
+            cache_salt=cache_salt,
         )
         try:
             return len(self.block_manager.match_prefix(probe)) * self.config.block_size
@@ -393,6 +446,8 @@ class LLMEngine:
         self,
         prompts: Iterable[str | Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[Completion]:
         """Run prompts to completion together (continuous batching); results in input order."""
         prompts = list(prompts)
@@ -403,7 +458,7 @@ class LLMEngine:
         ids = [f"gen-{i}" for i in range(len(prompts))]
         acc = {rid: Completion(rid, [], [], "", None, None, 0) for rid in ids}
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(rid, prompt, p)
+            self.add_request(rid, prompt, p, cache_salt=cache_salt)
             acc[rid].prompt_token_ids = list(self._requests[rid].seq.prompt_token_ids)
         while self.has_unfinished_requests():
             for out in self.step():
@@ -413,6 +468,8 @@ class LLMEngine:
                 if out.new_logprobs:
                     c.logprobs = (c.logprobs or []) + out.new_logprobs
                 c.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     c.finish_reason = out.finish_reason
         return [acc[rid] for rid in ids]

@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if decoder_pointwise.supports(x):  # one compiled pass, rounded as below
+        if decoder_pointwise.runs("rms_norm", x):  # one compiled pass, rounded as below
             return decoder_pointwise.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # The same ops as below in one call (bit-identical): less dispatch per token.
@@ -54,7 +54,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, delta: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, forward(x + delta))``: a residual add and the norm after it."""
-        if decoder_pointwise.supports(x):
+        if decoder_pointwise.runs("add_rms_norm", x):
             return decoder_pointwise.add_rms_norm(x, delta, self.weight, self.eps)
         total = x + delta
         return total, self.forward(total)
@@ -220,7 +220,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up.forward(x)  # [T, 2 * intermediate]: gate, then up
-        if decoder_pointwise.supports(gate_up):
+        if decoder_pointwise.runs("silu_mul", gate_up):
             return self.down_proj.forward(decoder_pointwise.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.forward(F.silu(gate).mul_(up))

@@ -18,6 +18,7 @@ from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.cpu_attention import decode_in_place
+from edgeinfer.daemon.engine.kernel_trials import Sizes, choose_kernels
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.linear import linear
 from edgeinfer.daemon.engine.model import CausalLM
@@ -119,6 +120,12 @@ class ModelRunner:
         if cfg.compressed_weights != "per_layer":
             model.pack_weights()
             _warm_up_packed(model, cfg.max_num_seqs, threads=self._threads[0])
+        if self.device.type == "cpu":
+            # Each compiled kernel against the library call it replaces, on this model's shapes:
+            # it runs only where it won here (timed once per host, then cached).
+            max_tokens = min(cfg.max_num_batched_tokens, cfg.resolve_max_model_len(model_cfg))
+            sizes = Sizes(self.dtype, cfg.block_size, cfg.max_num_seqs, max_tokens)
+            choose_kernels(model, sizes, self._threads)
         return model.eval()
 
     def check_health(self) -> None:
@@ -138,9 +145,11 @@ class ModelRunner:
         # array, not list: int_tensor wraps them without torch.tensor's per-element checks.
         ids, pos, slots, logit_rows = array("q"), array("q"), array("q"), array("q")
         samplers: list[Sequence] = []
+        first_row: dict[int, int] = {}  # id(seq) -> its first token's row this step
 
         def add(seq: Sequence, n: int) -> None:
             start = seq.num_computed_tokens
+            first_row[id(seq)] = len(ids)
             ids.extend(seq.token_ids[start : start + n])
             table = seq.block_table
             pos.extend(range(start, start + n))
@@ -165,6 +174,12 @@ class ModelRunner:
                     block_table=table.to(self.device),
                 )
             )
+        # Prompt-logprob rows follow the samplers' rows, in ``batch.entries`` order (the engine
+        # reads them back in that order with the same ``prompt_logprob_positions``).
+        for seq, n in batch.entries:
+            span = seq.prompt_logprob_positions(n)
+            row = first_row[id(seq)] - seq.num_computed_tokens
+            logit_rows.extend(range(row + span.start, row + span.stop))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=int_tensor(slots, torch.long).to(dev),
@@ -182,7 +197,7 @@ class ModelRunner:
             meta.decode_context_lens = int_tensor(array("i", lens), torch.int32).to(dev)
             lay = self.layout
             kv_values = 2 * lay.num_kv_heads * lay.head_dim  # per cached token, every KV head
-            if dev.type == "cpu" and decode_in_place(lay.dtype, kv_values):
+            if dev.type == "cpu" and decode_in_place(lay.dtype, kv_values, len(decodes)):
                 meta.decode_in_place = True
             elif dev.type == "cpu":
                 seq_tables = [s.block_table for s, _ in decodes]
@@ -197,16 +212,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the model on a batch; returns float32 logits ``[N, vocab]`` of ``N`` samplers."""
+        """Run the model on a batch; returns float32 logits ``[N + P, vocab]``: ``N`` samplers'
+        rows, then ``P`` rows of the prompt positions whose logprobs were asked for."""
         inputs, meta, samplers, max_pos = self.prepare(batch)
         if self.device.type == "cpu":
             threads = self._threads[bool(meta.prefills)]
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-        if not samplers:
-            # Only partial prefill chunks: fill the cache, skip the LM head entirely.
-            inputs["logits_indices"] = inputs["logits_indices"][:0]
-        if self.graphs is not None and not meta.prefills and self.graphs.can_run(len(samplers)):
+        # Only partial prefill chunks asking no prompt logprobs have no rows: then the LM head
+        # is skipped entirely. Graphs compute the samplers' rows only.
+        graphed = len(inputs["logits_indices"]) == len(samplers) and not meta.prefills
+        if self.graphs is not None and graphed and self.graphs.can_run(len(samplers)):
             logits = self.graphs.run(inputs, meta)
         else:
             logits = self.model(

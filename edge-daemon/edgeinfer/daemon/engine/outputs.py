@@ -10,6 +10,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # the most likely alternatives, best first
+    rank: int | None = None  # 1 = the most likely token; set for prompt logprobs
 
 
 @dataclass(slots=True)
@@ -31,6 +32,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     kv_blocks_ready: int = 0
+    # With ``prompt_logprobs``, on the first output: one entry per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from edgeinfer.daemon.engine.outputs import TokenLogprob
 from edgeinfer.daemon.engine.sequence import FinishReason, Sequence
 from edgeinfer.daemon.engine.stop_checker import StopChecker
 from edgeinfer.daemon.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -18,6 +19,21 @@ class RequestState:
         )
         self.stop_checker = StopChecker(p.stop, p.include_stop_str_in_output) if p.stop else None
         self._pending_text = ""
+        # Entry i scores prompt token i (the first has no context: None); handed out once.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if p.prompt_logprobs is None else [None]
+        )
+
+    def record_prompt_logprob(self, index: int, logprob: TokenLogprob) -> None:
+        """Keep the score of prompt token ``index``; a recomputation after a preemption
+        scores tokens again, and the first score is kept."""
+        if self.prompt_logprobs is not None and index == len(self.prompt_logprobs):
+            self.prompt_logprobs.append(logprob)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's scores, once (with the first output); None afterwards."""
+        scores, self.prompt_logprobs = self.prompt_logprobs, None
+        return scores
 
     def append_token(
         self, token: int, max_model_len: int

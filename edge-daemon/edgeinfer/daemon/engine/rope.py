@@ -183,6 +183,6 @@ class Rotation:
     def rotated(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`apply`, in place where the compiled kernel takes ``x`` (on the CPU): for a
         step's fresh q/k projections, which nothing else reads unrotated."""
-        if decoder_pointwise.supports(x) and x.stride(-1) == 1:
+        if decoder_pointwise.runs("rotate", x) and x.stride(-1) == 1:
             return decoder_pointwise.rotate_(x, self.cos, self.signed_sin)
         return self.apply(x)

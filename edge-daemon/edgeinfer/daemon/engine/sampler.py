@@ -6,6 +6,8 @@ Pipeline per engine step, on logits ``[B, V]`` (one row per sequence that emits 
    ``raw_logprobs`` mode: the model's own distribution, before any processing below);
 2. repetition, frequency and presence penalties (rows that use them);
 3. ``min_tokens``: EOS and stop token ids masked to -inf until enough tokens were produced;
+   then ``logit_bias`` added; then grammar-constrained rows get the tokens their grammar
+   forbids masked to -inf (one bitmask for all constrained rows; other rows untouched);
 4. greedy rows: argmax (ties -> lowest id);
 5. other rows: temperature, then min-p, then top-k, then top-p (vLLM's order), then an
    exponential race ``argmax(p / q)`` with ``q ~ Exp(1)``, which draws from ``p``. Seeded
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
+from edgeinfer.daemon.engine.structured import GrammarMatcher, apply_token_masks
 
 
 class SamplingState:
@@ -33,6 +36,7 @@ class SamplingState:
     __slots__ = (
         "_generator",
         "_prompt_ids",
+        "constraint",
         "eos_token_ids",
         "num_output_tokens",
         "output_counts",
@@ -44,8 +48,11 @@ class SamplingState:
         params: SamplingParams,
         prompt_token_ids: Sequence[int] = (),
         eos_token_ids: Iterable[int] = (),
+        constraint: GrammarMatcher | None = None,
     ) -> None:
         self.params = params
+        # The grammar position of a constrained request; advanced by every appended token.
+        self.constraint = constraint
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         # Output token id -> occurrences: O(1) per append; penalties read the distinct ids.
         self.output_counts: dict[int, int] = {}
@@ -59,6 +66,13 @@ class SamplingState:
     def append(self, token_id: int) -> None:
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
         self.num_output_tokens += 1
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
+
+    @property
+    def constraint_finished(self) -> bool:
+        """True when the request's grammar is complete: the sequence ends here."""
+        return self.constraint is not None and self.constraint.is_finished
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The request's own RNG (created on first use on ``device``), or None if unseeded."""
@@ -130,7 +144,13 @@ class Sampler:
         device = logits.device
         # Penalties and min_tokens edit the logits in place: then work on a float32 copy, so
         # the caller's logits stay untouched. Nothing else writes to them.
-        edits = any(r.has_penalties or r.num_output_tokens < r.params.min_tokens for r in requests)
+        edits = any(
+            r.has_penalties
+            or r.num_output_tokens < r.params.min_tokens
+            or r.params.logit_bias
+            or r.constraint is not None
+            for r in requests
+        )
         logits = logits.to(torch.float32, copy=edits)
         lp_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         # [L, V] raw log-probs, taken before any processing mutates `logits`.
@@ -138,6 +158,10 @@ class Sampler:
 
         apply_penalties(logits, requests)
         apply_min_tokens(logits, requests)
+        apply_logit_bias(logits, requests)
+        constrained = [(i, r.constraint) for i, r in enumerate(requests) if r.constraint]
+        if constrained:
+            apply_token_masks(logits, [i for i, _ in constrained], [m for _, m in constrained])
 
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -215,6 +239,24 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingState]) ->
     if rows:
         device = logits.device
         logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[SamplingState]) -> None:
+    """Add each row's ``logit_bias`` in place, in one scatter for the whole batch."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(requests):
+        for token_id, bias in r.params.logit_bias:
+            if token_id < vocab:  # the API refuses others; a padded vocabulary may differ
+                rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
 
 
 def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:

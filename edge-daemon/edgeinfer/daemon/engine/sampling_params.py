@@ -7,15 +7,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgeinfer.daemon.engine.errors import InvalidRequestError
+from edgeinfer.daemon.engine.structured.spec import StructuredSpec
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value; a bias of -100/100 bans/forces a token in practice.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 # Seeds travel through OpenAI clients as int64; torch generators accept that range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**63 - 1
 # Below this, logits / temperature overflows float32 for ordinary logit ranges, so such
 # temperatures decode greedily (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _fail(param: str, message: str) -> InvalidRequestError:
@@ -33,8 +40,10 @@ def _as_float(param: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _fail(param, f"must be a number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value):
-        raise _fail(param, f"must be finite, got {value}")
+    # The sampler holds these in float32 tensors: a larger magnitude would overflow there and
+    # fail the whole batch's step instead of this one request.
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise _fail(param, f"must be a finite float32 number, got {value:g}")
     return value
 
 
@@ -71,6 +80,13 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's ``prompt_logprobs``: per prompt token its log-prob and the k most likely
+    # alternatives (None: not asked). Such a request does not reuse prefix-cache blocks.
+    prompt_logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's ``logit_bias``).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The grammar the output must follow (response_format, structured_outputs, guided_*).
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values (int -> float, list -> tuple) go in via
@@ -115,6 +131,9 @@ class SamplingParams:
 
         put("stop", self._check_stop(self.stop))
         put("stop_token_ids", self._check_stop_token_ids(self.stop_token_ids))
+        if self.structured is not None:
+            # The KV wire carries it as a plain map (dataclasses.asdict).
+            put("structured", StructuredSpec.from_mapping(self.structured))
 
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _as_bool(name, getattr(self, name))
@@ -130,6 +149,11 @@ class SamplingParams:
             logprobs = _as_int("logprobs", self.logprobs)
             if not 0 <= logprobs <= MAX_LOGPROBS:
                 raise _fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        if self.prompt_logprobs is not None:
+            k = _as_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= k <= MAX_LOGPROBS:
+                raise _fail("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {k}")
+        put("logit_bias", self._check_logit_bias(self.logit_bias))
 
     @staticmethod
     def _check_stop(stop: Any) -> tuple[str, ...]:
@@ -146,6 +170,37 @@ class SamplingParams:
             if not item:
                 raise _fail("stop", "must not hold empty strings")
         return tuple(stop)
+
+    @staticmethod
+    def _check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+        """A map (or pairs) of token id -> bias; ids as ints or decimal strings."""
+        if isinstance(bias, dict):
+            bias = list(bias.items())
+        if not isinstance(bias, list | tuple):
+            raise _fail("logit_bias", f"must map token ids to numbers, got {type(bias).__name__}")
+        pairs = list(bias)
+        if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+            raise _fail("logit_bias", f"must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        out = []
+        for pair in pairs:
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
+                raise _fail("logit_bias", "must map token ids to numbers")
+            key = pair[0]
+            # JSON object keys are strings: OpenAI's logit_bias maps "token id" -> bias.
+            if isinstance(key, str):
+                try:
+                    key = int(key)
+                except ValueError:
+                    raise _fail("logit_bias", f"keys must be token ids, got {key!r}") from None
+            token_id = _as_int("logit_bias", key)
+            value = _as_float("logit_bias", pair[1])
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise _fail(
+                    "logit_bias",
+                    f"needs token ids >= 0 and biases in [-100, 100], got {token_id}: {value:g}",
+                )
+            out.append((token_id, value))
+        return tuple(out)
 
     @staticmethod
     def _check_stop_token_ids(ids: Any) -> tuple[int, ...]:

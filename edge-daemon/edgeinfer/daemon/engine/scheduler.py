@@ -113,8 +113,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
-            # Keep one token uncomputed: the model must run to produce the next token.
-            cached = bm.match_prefix(seq, max_tokens=seq.num_tokens - 1)
+            cached = bm.match_prefix(seq, max_tokens=seq.max_prefix_hit_tokens)
             computed = len(cached) * bm.block_size
             n = min(seq.num_tokens - computed, budget, prefill_budget)
             if n < seq.num_tokens - computed and not self.enable_chunked_prefill:
@@ -126,7 +125,8 @@ class Scheduler:
             bm.record_prefix_query(bm.blocks_for(seq.num_tokens - 1) if seq.num_tokens > 1 else 0)
             bm.allocate(seq, computed + n, cached)
             seq.num_computed_tokens = computed
-            seq.num_cached_tokens = computed
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = computed
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

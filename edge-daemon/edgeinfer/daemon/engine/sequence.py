@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from edgeinfer.daemon.engine.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from edgeinfer.daemon.engine.sampler import SamplingState
     from edgeinfer.daemon.engine.sampling_params import SamplingParams
@@ -42,11 +44,18 @@ class Sequence:
     params: SamplingParams
     sampling: SamplingState
     prefill_only: bool = False
+    # Seeds the prefix-cache key chain: only sequences with equal salts share blocks.
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
-    # Leading prompt tokens that came from the prefix cache at the last admission.
+    # Leading prompt tokens whose KV was not computed for this request: the prefix-cache hit
+    # of its first admission (a readmission after preemption finds blocks it computed itself),
+    # or, prefilled remotely, what the prefill side's cache held.
     num_cached_tokens: int = 0
+    # Decode side of a remote prefill: leading tokens whose blocks this engine's prefix cache
+    # held at the reservation; shared blocks, never written by an import.
+    num_held_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -56,6 +65,9 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.num_prompt_tokens == 0:
             self.num_prompt_tokens = len(self.token_ids)
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +92,21 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_prefix_hit_tokens(self) -> int:
+        """Leading tokens a prefix-cache hit may cover at admission. One token stays
+        uncomputed so the model runs and yields the next token's logits; a request asking for
+        prompt logprobs takes no hit (cached blocks hold K/V, not the logits it needs)."""
+        return 0 if self.params.prompt_logprobs is not None else self.num_tokens - 1
+
+    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
+        """Positions among the next ``num_new_tokens`` whose logits score the prompt token that
+        follows them (empty unless prompt logprobs were asked for)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        start = self.num_computed_tokens
+        return range(start, min(start + num_new_tokens, self.num_prompt_tokens - 1))
 
     def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
         return (num_tokens + block_size - 1) // block_size

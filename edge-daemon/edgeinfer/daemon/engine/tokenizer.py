@@ -1,25 +1,21 @@
 """Tokenizer and chat templates on top of the ``tokenizers`` library (no transformers at runtime).
 
 Encoding follows ``tokenizer.json`` exactly (its post-processor decides whether BOS is added), and
-chat templates are rendered in a Jinja sandbox configured like transformers' so prompts are
-byte-identical to ``AutoTokenizer.apply_chat_template(..., tokenize=False)``.
+chat templates are rendered by :mod:`edgeinfer.shared.chat_template` (as transformers renders
+them), the code the router uses to predict a request's block keys.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgeinfer.daemon.engine.errors import InvalidRequestError, ModelLoadError
+from edgeinfer.shared.chat_template import ChatTemplateError, render_chat
 
 # Context tokens decoded before the first output token so the first delta keeps its spacing.
 _DETOKENIZE_CONTEXT = 5
@@ -48,52 +44,6 @@ def _ids(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int)]
     return []
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers) render their body."""
-
-    tags = {"generation"}  # noqa: RUF012 - jinja's Extension API declares a class-level set
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson HTML-escapes; transformers replaces it with plain json.dumps.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
 
 
 class Tokenizer:
@@ -165,51 +115,29 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry itself (e.g. ``Ġthe``), not its decoded text."""
+        return self._tok.id_to_token(token_id)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it), so a long prompt
+        # tokenised on a worker thread leaves the event loop and the engine thread running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def _template_source(self, tools: Any) -> str:
-        template = self.chat_template
-        if template is None:
-            raise InvalidRequestError(
-                "this model has no chat template (no 'chat_template' in tokenizer_config.json and "
-                "no chat_template.jinja); send a plain completion prompt instead",
-                param="messages",
-            )
-        if isinstance(template, dict):
-            name = "tool_use" if tools is not None and "tool_use" in template else "default"
-            if name not in template:
-                raise InvalidRequestError(
-                    f"this model has several chat templates and none is named 'default': "
-                    f"{sorted(template)}",
-                    param="messages",
-                )
-            return template[name]
-        return template
-
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
-        """Render ``messages`` to the prompt string (extra keyword arguments reach the template)."""
-        tools = extra.pop("tools", None)
-        documents = extra.pop("documents", None)
-        compiled = _compile_template(self._template_source(tools))
-        # Like transformers: keys whose value is None are dropped, since templates test presence.
-        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        variables = {**self.special_tokens, **extra}
+        """Render ``messages`` to the prompt string (extra keyword arguments reach the template);
+        the router renders with the same code (:mod:`edgeinfer.shared.chat_template`)."""
         try:
-            return compiled.render(
-                messages=chat,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
+            return render_chat(
+                self.chat_template, self.special_tokens, messages, add_generation_prompt, **extra
             )
-        except jinja2.exceptions.TemplateError as exc:
-            raise InvalidRequestError(f"chat template error: {exc}", param="messages") from exc
+        except ChatTemplateError as exc:
+            raise InvalidRequestError(str(exc), param="messages") from exc
 
 
 class IncrementalDetokenizer:

@@ -74,9 +74,16 @@ class RemotePrefillClient:
         self._peers: dict[str, PeerConnection] = {}
 
     async def prefill(
-        self, rid: str, prompt_ids: Sequence[int], params: SamplingParams, endpoint: str
+        self,
+        rid: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        endpoint: str,
+        *,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
-        """Prefill ``prompt_ids`` at ``endpoint`` and start decoding ``rid`` locally.
+        """Prefill ``prompt_ids`` at ``endpoint`` and start decoding ``rid`` locally; both
+        sides' prefix caches apply ``cache_salt``.
 
         Returns the first token's output; later outputs go to the stream the caller opened
         with ``engine.open_stream(rid)`` beforehand. Raises :class:`PrefillFailed` (blocks
@@ -90,7 +97,9 @@ class RemotePrefillClient:
             self.stats.record_failure("bad_endpoint")
             raise PrefillFailed("bad_endpoint", f"{endpoint}: {e}") from e
         try:
-            cached = await self._engine.call(lambda e: e.reserve_remote(rid, prompt, params))
+            cached = await self._engine.call(
+                lambda e: e.reserve_remote(rid, prompt, params, cache_salt=cache_salt)
+            )
         except InvalidRequestError:
             raise
         except EngineError as e:
@@ -101,7 +110,9 @@ class RemotePrefillClient:
         inbox = peer.open(rid)
         imports: list[asyncio.Task[None]] = []
         try:
-            out = await self._transfer(peer, inbox, imports, rid, prompt, params, cached)
+            out = await self._transfer(
+                peer, inbox, imports, rid, prompt, params, cached, cache_salt
+            )
         except BaseException as e:  # cancellation included: the blocks must be freed
             failure = _as_failure(e)
             reason = failure.reason if failure is not None else "cancelled"
@@ -138,6 +149,7 @@ class RemotePrefillClient:
         prompt: list[int],
         params: SamplingParams,
         cached_tokens: int,
+        cache_salt: str | None,
     ) -> RequestOutput:
         layout = self._layout
         held = cached_tokens // layout.block_size
@@ -145,7 +157,11 @@ class RemotePrefillClient:
         # Blocks still owed per layer; FirstToken is accepted only once all are empty.
         missing = [set(range(held, total)) for _ in range(layout.num_layers)]
         sampling = dataclasses.asdict(params)
-        await peer.send(PrefillRequest(rid, 0, tuple(prompt), sampling, tuple(range(held)), layout))
+        # The wire's maps are str -> scalar: logit_bias travels as OpenAI writes it.
+        sampling["logit_bias"] = {str(t): b for t, b in params.logit_bias}
+        await peer.send(
+            PrefillRequest(rid, 0, tuple(prompt), sampling, tuple(range(held)), layout, cache_salt)
+        )
         num_chunks = 0
         while True:
             try:
@@ -175,7 +191,7 @@ class RemotePrefillClient:
                     await asyncio.gather(*imports)
                 except EngineError as e:
                     raise PrefillFailed("import_failed", str(e)) from e
-                return await self._engine.call(_committer(rid, msg))
+                return await self._engine.call(_committer(rid, msg, len(prompt)))
             elif isinstance(msg, ErrorReply):
                 raise PrefillFailed("remote_error", f"{msg.code}: {msg.message}", code=msg.code)
             else:
@@ -235,8 +251,10 @@ def _as_failure(exc: BaseException) -> PrefillFailed | None:
     return None
 
 
-def _committer(rid: str, msg: FirstToken) -> Callable[[LLMEngine], RequestOutput]:
+def _committer(rid: str, msg: FirstToken, prompt_len: int) -> Callable[[LLMEngine], RequestOutput]:
     logprob = None
     if msg.logprob is not None:
         logprob = TokenLogprob(msg.token, msg.logprob, msg.top_logprobs)
-    return lambda engine: engine.commit_remote(rid, msg.token, logprob)
+    # The prompt tokens the prefill side did not compute came from its prefix cache.
+    cached = prompt_len - msg.num_computed
+    return lambda engine: engine.commit_remote(rid, msg.token, logprob, num_cached_tokens=cached)

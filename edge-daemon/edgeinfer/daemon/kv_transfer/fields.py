@@ -46,6 +46,10 @@ class HeaderReader:
             raise MalformedError(f"field {key!r} must be a string of at most {limit} characters")
         return value
 
+    def opt_text(self, key: str) -> str | None:
+        """A string field a sender may leave out (one added to its version later)."""
+        return self.text(key) if key in self._header else None
+
     def flag(self, key: str) -> bool:
         value = self._get(key)
         if not isinstance(value, bool):

@@ -18,6 +18,7 @@ from edgeinfer.daemon.kv_transfer.errors import MalformedError, SizeMismatchErro
 from edgeinfer.daemon.kv_transfer.fields import check_index_list
 
 DTYPE_ITEMSIZE: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_CACHE_SALT = 256  # characters; the daemon sends a 32-character digest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,12 +48,18 @@ class PrefillRequest:
     sampling: Mapping[str, Any]
     held_blocks: tuple[int, ...]
     layout: WireLayout
+    # The request's prefix-cache salt: the prefill side's cache must use it too, or one
+    # tenant's prompt would warm (and reveal) blocks for everyone. None: unsalted.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise MalformedError("prompt is empty")
         check_index_list("prompt", self.prompt, unique=False)
         check_index_list("held_blocks", self.held_blocks, unique=True)
+        salt = self.cache_salt
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT):
+            raise MalformedError(f"cache_salt must be a string of 1..{MAX_CACHE_SALT} characters")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

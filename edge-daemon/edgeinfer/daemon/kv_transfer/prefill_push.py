@@ -57,7 +57,11 @@ class KVPusher:
     async def run(self, params: SamplingParams) -> RequestOutput:
         """Prefill, pushing blocks as they complete; return the final (first-token) output."""
         final: RequestOutput | None = None
-        gen = self._engine.generate(self._engine_rid, self._req.prompt, params, prefill_only=True)
+        req = self._req
+        # The decode side's salt: this cache keeps the requests of different salts apart too.
+        gen = self._engine.generate(
+            self._engine_rid, req.prompt, params, prefill_only=True, cache_salt=req.cache_salt
+        )
         # aclosing: if we are cancelled mid-send, the engine request is aborted right away.
         async with contextlib.aclosing(gen) as outputs:
             async for out in outputs:

@@ -80,9 +80,13 @@ class PrefillServer:
         send_timeout_s: float = 10.0,
         chunk_bytes: int = 4 << 20,
         max_in_flight: int = 64,
+        listen_fd: int | None = None,
     ) -> None:
+        """``listen_fd``: a TCP socket already bound and listening (the daemon binds its ports
+        at start-up) that ZeroMQ adopts instead of binding ``bind`` itself."""
         self._engine = engine
         self._bind = bind
+        self._listen_fd = listen_fd
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._curve = curve
@@ -120,6 +124,8 @@ class PrefillServer:
         if self._curve is not None:
             self._auth = start_authenticator(self._ctx, self._curve.allowed_clients_dir)
             configure_server(sock, self._curve.secret_file)
+        if self._listen_fd is not None:
+            sock.setsockopt(zmq.USE_FD, self._listen_fd)
         sock.bind(self._bind)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
@@ -236,6 +242,11 @@ class PrefillServer:
         started = time.monotonic()
         try:
             async with asyncio.timeout(self._request_timeout_s):
+                if params.structured is not None:
+                    # The first token obeys the request's grammar; compiled off the event loop
+                    # (and off the engine thread, which then finds it cached).
+                    grammars = self._engine.engine.grammars
+                    await asyncio.to_thread(grammars.compile, params.structured)
                 final = await pusher.run(params)
                 token = FirstToken(
                     req.rid,
@@ -243,7 +254,8 @@ class PrefillServer:
                     final.new_token_ids[0],
                     final.new_logprobs[0].logprob if final.new_logprobs else None,
                     final.new_logprobs[0].top if final.new_logprobs else (),
-                    len(req.prompt),
+                    # What this side computed: the decode side reports the rest as cached.
+                    len(req.prompt) - final.num_cached_tokens,
                     False,  # stop conditions are the decode side's to apply
                 )
                 await send(token)

@@ -2,23 +2,23 @@
 
 Deliberately dependency-free: the transfer code only increments plain attributes from a single
 asyncio loop, so no locking is needed, and the metrics layer converts them on scrape (counters
-map to ``*_total``, ``failures``/``dropped`` to a ``reason`` label, latency to a summary). Use
-one instance per role (prefill server, decode client) so the two directions stay apart.
+map to ``*_total``, ``failures``/``dropped`` to a ``reason`` label). Latencies are not kept
+here: each one goes at once to ``observe_latency`` (the daemon's Prometheus histogram), so
+every transfer is counted however many happen between two scrapes. Use one instance per role
+(prefill server, decode client) so the two directions stay apart.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-# Enough samples for stable p50/p99 on a scrape interval without unbounded memory.
-LATENCY_WINDOW = 1024
 
 
 @dataclass
 class TransferStats:
-    """Monotonic counters plus a sliding window of transfer latencies (seconds)."""
+    """Monotonic counters; each transfer's latency (seconds) is handed to ``observe_latency``."""
 
     bytes_sent: int = 0  # every frame, headers included
     bytes_received: int = 0
@@ -32,7 +32,7 @@ class TransferStats:
     dropped: Counter[str] = field(default_factory=Counter)  # frames dropped, by reason
     latency_sum_s: float = 0.0
     latency_count: int = 0
-    latency_samples: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    observe_latency: Callable[[float], None] | None = None
 
     def record_sent(self, frame_bytes: int, kv_bytes: int = 0) -> None:
         self.bytes_sent += frame_bytes
@@ -50,7 +50,8 @@ class TransferStats:
         self.transfers_ok += 1
         self.latency_sum_s += latency_s
         self.latency_count += 1
-        self.latency_samples.append(latency_s)
+        if self.observe_latency is not None:
+            self.observe_latency(latency_s)
 
     def record_failure(self, reason: str) -> None:
         self.failures[reason] += 1
@@ -65,14 +66,6 @@ class TransferStats:
     @property
     def total_dropped(self) -> int:
         return sum(self.dropped.values())
-
-    def latency_quantile(self, q: float) -> float | None:
-        """Nearest-rank quantile of the recent window; None before the first transfer."""
-        if not self.latency_samples:
-            return None
-        ordered = sorted(self.latency_samples)
-        q = min(max(q, 0.0), 1.0)
-        return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly copy (for /debug endpoints, logs and benchmarks)."""
@@ -89,6 +82,4 @@ class TransferStats:
             "dropped": dict(self.dropped),
             "latency_sum_s": self.latency_sum_s,
             "latency_count": self.latency_count,
-            "latency_p50_s": self.latency_quantile(0.5),
-            "latency_p99_s": self.latency_quantile(0.99),
         }

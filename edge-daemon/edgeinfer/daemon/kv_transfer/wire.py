@@ -18,21 +18,26 @@ Header fields common to every kind
     ``kind`` str; ``seq`` int >= 0, numbered per (rid, direction) from 0 with no gaps. Prefill
     sends its ``kv`` messages as seq 0..n-1 and ``first_token`` last with seq n, so the decode
     side knows it holds all KV once it has accepted every seq below the first token's.
-    Unknown header keys are rejected: any change to the header needs a version bump.
+    Unknown header keys are rejected, so no peer misreads a field it does not know: changing
+    a field needs a version bump. An optional field added later (``cache_salt``) is left out
+    of every message that does not need it, so an older peer refuses (with an ``error``
+    reply naming the field) only the messages that carry it.
 
 Kinds and their extra fields
     ``prefill_req`` (decode -> prefill): ``prompt`` [int] token ids; ``sampling`` map of
     str -> scalar / list / map (the sampling parameters); ``held_blocks`` [int] logical block
     indices the decode side already holds (prefix-cache hits), which prefill need not send;
-    ``layout`` {dtype, block_size, num_layers, num_kv_heads, head_dim} of the decode side's cache.
+    ``layout`` {dtype, block_size, num_layers, num_kv_heads, head_dim} of the decode side's cache;
+    optional ``cache_salt`` str of 1..256 characters, the request's prefix-cache salt, which the
+    prefill side's cache applies too (absent: unsalted).
     ``kv`` (prefill -> decode): ``layers`` [start, stop) layer range; ``blocks`` [int] logical
     block indices carried; ``dtype`` one of float32 | bfloat16 | float16; ``shape`` [[int]] one
     per payload frame; ``nbytes`` [int] and ``crc`` [int] (zlib CRC-32) per payload frame. Every
     frame must satisfy len == nbytes == prod(shape) * itemsize(dtype). bfloat16 has no numpy
     dtype, so payloads are plain bytes and the daemon reinterprets them.
     ``first_token`` (prefill -> decode): ``token`` int; ``logprob`` float | nil; ``top_logprobs``
-    [[token, logprob]]; ``num_computed`` prompt tokens computed; ``done`` bool (the request
-    finished at its first token).
+    [[token, logprob]]; ``num_computed`` prompt tokens the prefill side computed (the rest came
+    from its prefix cache); ``done`` bool (the request finished at its first token).
     ``error`` (either way): ``code`` str, ``message`` str. ``abort`` (decode -> prefill):
     ``reason`` str. ``ping`` / ``pong``: no extra field; pong echoes the ping's ``seq``.
 
@@ -108,6 +113,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     elif isinstance(msg, PrefillRequest):
         header["layout"] = dataclasses.asdict(msg.layout)
         header["sampling"] = dict(msg.sampling)
+        if msg.cache_salt is None:
+            del header["cache_salt"]  # an unsalted request stays readable by older peers
     packed = msgpack.packb(header, use_bin_type=True)
     return [_CRC.pack(crc32(packed)) + packed, *payloads]
 
@@ -201,6 +208,7 @@ def _decode_body(reader: HeaderReader, rid: str, payloads: list[memoryview]) -> 
                 layout.uint("num_kv_heads"),
                 layout.uint("head_dim"),
             ),
+            reader.opt_text("cache_salt"),
         )
         layout.finish()
     elif cls is FirstToken:
@@ -218,7 +226,11 @@ def _decode_body(reader: HeaderReader, rid: str, payloads: list[memoryview]) -> 
         msg = ErrorReply(rid, seq, reader.text("code"), reader.text("message"))
     elif cls is Abort:
         msg = Abort(rid, seq, reader.text("reason"))
+    elif cls is Ping:
+        msg = Ping(rid, seq)
+    elif cls is Pong:
+        msg = Pong(rid, seq)
     else:
-        msg = cls(rid, seq)  # type: ignore[call-arg]  # Ping / Pong only
+        raise UnknownKindError(f"kind {kind!r} has no decoder")
     reader.finish()
     return msg

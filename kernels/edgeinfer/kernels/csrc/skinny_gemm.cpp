@@ -5,17 +5,22 @@
 // skinny_gemm.py, which checks shapes first and lays the weight out in panels (below). Runs on
 // torch's own OpenMP threads (see paged_decode_attention.cpp for why that works).
 //
-// The weight is held in panels of 16 output rows, each panel [K, 16]: row k of a panel is the
-// 16 outputs' weights for input k, one vector. A tile keeps NB panels' worth of outputs for MB
-// input rows in registers (MB x NB accumulators) and, for each k, loads NB weight vectors and
-// broadcasts MB inputs: outer products, no horizontal sums, each weight byte read once per
-// call. A thread owns a contiguous range of panels, so it streams NB separate regions at once.
+// The weight is held in panels of one vector register's worth of output rows, each panel
+// [K, width]: row k of a panel is those outputs' weights for input k, one vector. A tile keeps
+// NB panels' worth of outputs for MB input rows in registers (MB x NB accumulators) and, for
+// each k, loads NB weight vectors and broadcasts MB inputs: outer products, no horizontal sums,
+// each weight byte read once per call. A thread owns a contiguous range of panels, so it
+// streams NB separate regions at once.
+//
+// The panel width and NB follow the target's registers: 16 floats and 32 registers with
+// AVX-512, 8 and 16 with AVX2, 4 and 16 with SSE. (Panels of 16 on AVX2, as pairs of 8-float
+// registers, needed 2 x MB x NB registers for the accumulators alone: from 2 rows on they
+// spilled, and the kernel ran at 0.1-0.7x oneDNN on an AVX2 EPYC.) The Python side asks the
+// library for its width, so a panel layout always matches the build that reads it.
 //
 // Why not oneDNN: at 1-8 rows its packed matmul read SmolLM2's projections at 20-30 GB/s on 2
 // EPYC cores (small weights worst: ~40 us of fixed cost per call), where this reaches ~35-45.
-//
-// Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
-// pairs of AVX2 registers otherwise, the same source either way.
+// Which one runs is measured per shape and row count at load (kernel_choice.py).
 
 #include <cstdint>
 #include <cstring>
@@ -23,7 +28,16 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;   // outputs per panel: one vector
+#if defined(__AVX512F__)
+constexpr int64_t kPanel = 16;      // outputs per panel: one vector
+constexpr int64_t kRegisters = 32;  // vector registers
+#elif defined(__AVX__)
+constexpr int64_t kPanel = 8;
+constexpr int64_t kRegisters = 16;
+#else
+constexpr int64_t kPanel = 4;
+constexpr int64_t kRegisters = 16;
+#endif
 constexpr int64_t kMaxRows = 8;  // rows per call (more: callers use oneDNN)
 
 typedef float vfloat __attribute__((vector_size(kPanel * sizeof(float))));
@@ -34,7 +48,6 @@ inline vfloat load(const float* p) {
   return v;
 }
 
-// Outputs of panels [p0, p0 + NB) for MB rows of x. x rows are x_stride apart.
 template <int64_t MB, int64_t NB>
 void tile(const float* x, int64_t x_stride, const float* panels, const float* bias, int64_t K,
           int64_t N, int64_t p0, float* y) {
@@ -59,24 +72,80 @@ void tile(const float* x, int64_t x_stride, const float* panels, const float* bi
   }
 }
 
-// NB panels per tile: as many weight streams as the registers allow beside MB x NB
-// accumulators (32 vector registers with AVX-512).
+// NB panels per tile: as many weight streams as the registers hold beside MB x NB accumulators,
+// NB weight vectors and a broadcast input (MB * NB + NB + 1 <= registers), at most 8.
 template <int64_t MB>
 constexpr int64_t streams() {
-  return MB <= 2 ? 8 : MB <= 4 ? 6 : 3;
+  constexpr int64_t fit = (kRegisters - 1) / (MB + 1);
+  return fit < 1 ? 1 : fit > 8 ? 8 : fit;
+}
+
+// Inputs per block of a split tile: NB = 3 panels of them (3 x 128 x 8 floats, 12 KiB with
+// AVX2) stay in L1 while the second group of rows reads them again.
+constexpr int64_t kBlockK = 128;
+
+// sum[m][b] += the products of inputs [k0, k1) for MB rows and NB panels (starting at w), the
+// accumulators in registers for the block.
+template <int64_t MB, int64_t NB>
+inline void accumulate(const float* x, int64_t x_stride, const float* w, int64_t K, int64_t k0,
+                       int64_t k1, vfloat (*sum)[NB]) {
+  vfloat acc[MB][NB];
+  for (int64_t m = 0; m < MB; ++m)
+    for (int64_t b = 0; b < NB; ++b) acc[m][b] = sum[m][b];
+  for (int64_t k = k0; k < k1; ++k) {
+    vfloat wv[NB];
+    for (int64_t b = 0; b < NB; ++b) wv[b] = load(w + (b * K + k) * kPanel);
+    for (int64_t m = 0; m < MB; ++m) {
+      const float xm = x[m * x_stride + k];
+      for (int64_t b = 0; b < NB; ++b) acc[m][b] += xm * wv[b];
+    }
+  }
+  for (int64_t m = 0; m < MB; ++m)
+    for (int64_t b = 0; b < NB; ++b) sum[m][b] = acc[m][b];
+}
+
+// tile() for more rows than leave the registers room for 3 weight streams (AVX2 from 5 rows:
+// 8 rows would keep one stream, and lost to oneDNN): the rows in two groups, G then MB - G,
+// that take turns over blocks of kBlockK inputs. Each weight byte still comes from memory once.
+template <int64_t MB, int64_t NB, int64_t G>
+void split_tile(const float* x, int64_t x_stride, const float* panels, const float* bias,
+                int64_t K, int64_t N, int64_t p0, float* y) {
+  vfloat sum[MB][NB];
+  for (int64_t m = 0; m < MB; ++m)
+    for (int64_t b = 0; b < NB; ++b) sum[m][b] = vfloat{};
+  const float* w = panels + p0 * K * kPanel;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+    const int64_t k1 = K - k0 < kBlockK ? K : k0 + kBlockK;
+    accumulate<G, NB>(x, x_stride, w, K, k0, k1, sum);
+    accumulate<MB - G, NB>(x + G * x_stride, x_stride, w, K, k0, k1, sum + G);
+  }
+  for (int64_t b = 0; b < NB; ++b) {
+    const int64_t n0 = (p0 + b) * kPanel;
+    const int64_t width = N - n0 < kPanel ? N - n0 : kPanel;
+    for (int64_t m = 0; m < MB; ++m)
+      for (int64_t i = 0; i < width; ++i)
+        y[m * N + n0 + i] = sum[m][b][i] + (bias ? bias[n0 + i] : 0.0f);
+  }
 }
 
 template <int64_t MB>
 void rows_of(const float* x, int64_t x_stride, const float* panels, const float* bias, int64_t K,
              int64_t N, float* y, int threads) {
-  constexpr int64_t NB = streams<MB>();
+  constexpr bool split = streams<MB>() < 3;
+  constexpr int64_t G = split ? (MB + 1) / 2 : MB;  // rows of the first group
+  constexpr int64_t NB = streams<G>();
   const int64_t count = (N + kPanel - 1) / kPanel;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = count * t / nt, last = count * (t + 1) / nt;
     int64_t p = first;
-    for (; p + NB <= last; p += NB) tile<MB, NB>(x, x_stride, panels, bias, K, N, p, y);
+    for (; p + NB <= last; p += NB) {
+      if constexpr (split)
+        split_tile<MB, NB, G>(x, x_stride, panels, bias, K, N, p, y);
+      else
+        tile<MB, NB>(x, x_stride, panels, bias, K, N, p, y);
+    }
     for (; p < last; ++p) tile<MB, 1>(x, x_stride, panels, bias, K, N, p, y);
   }
 }
@@ -88,8 +157,8 @@ extern "C" {
 int64_t edgeinfer_skinny_max_rows() { return kMaxRows; }
 int64_t edgeinfer_skinny_panel() { return kPanel; }
 
-// panels: [ceil(out / 16), in, 16] (outputs past `out` zero). Returns 0, or 1 when the sizes
-// are out of range (nothing written).
+// panels: [ceil(out / width), in, width], outputs past `out` zero (width: edgeinfer_skinny_panel).
+// Returns 0, or 1 when the sizes are out of range (nothing written).
 int edgeinfer_skinny_gemm_f32(const float* x, int64_t x_stride, const float* panels,
                               const float* bias, int64_t rows, int64_t in, int64_t out, float* y,
                               int threads) {

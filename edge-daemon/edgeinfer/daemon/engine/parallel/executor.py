@@ -157,15 +157,22 @@ class ParallelExecutor:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run a batch; returns float32 logits ``[N, vocab]`` of its ``N`` samplers."""
+        """Run a batch; returns float32 logits ``[N + P, vocab]`` as ``ModelRunner.execute``."""
         mbs: list[MicroBatch] = []
         samplers: list[Sequence] = []
+        sizes: list[int] = []  # per micro-batch: its samplers' rows, then its prompt rows
         for entries in split_entries(batch.entries, self.num_micro_batches):
             inputs, meta, seqs, max_pos = self._host.prepare(ScheduledBatch(entries=entries))
             ids, pos, rows = inputs["input_ids"], inputs["positions"], inputs["logits_indices"]
             mbs.append(MicroBatch(ids, pos, meta, rows, max_pos))
             samplers.extend(seqs)
-        return self._run(mbs), samplers
+            sizes += [len(seqs), len(rows) - len(seqs)]
+        logits = self._run(mbs)
+        if len(mbs) > 1 and logits.shape[0] > len(samplers):
+            # As the single runner returns them: every sampler row first, then prompt rows.
+            parts = logits.split(sizes)
+            logits = torch.cat([*parts[0::2], *parts[1::2]])
+        return logits, samplers
 
     @torch.inference_mode()
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""Tokenise a prompt only as far as its length allows: an over-long one is refused early.
+
+A prompt of N characters costs O(N) to tokenise (about a second per MiB on a small vocabulary),
+so a 16 MiB prompt sent to a 2,048-token model would take seconds of CPU only to be refused.
+:func:`encode_within` tokenises growing prefixes instead (the first of about four characters
+per allowed token, then doubling) and stops as soon as one of them alone holds at least
+``limit`` tokens: the work is bounded by the model's context, not by what the client sent.
+
+A prefix can count a few more tokens than the same span of the whole text (its last word may
+be cut, and a cut word can split into more pieces), so a prefix proves the prompt too long
+only with :data:`BOUNDARY_SLACK` tokens to spare, and the cut is moved back to a whitespace
+when there is one nearby.
+"""
+
+from __future__ import annotations
+
+from edgeinfer.daemon.api.errors import APIError
+from edgeinfer.daemon.engine.tokenizer import Tokenizer
+
+# The first probe's length in characters per allowed token: English averages about four.
+PROBE_CHARS_PER_TOKEN = 4
+# Tokens a cut prefix may count beyond the whole text's tokens of that span.
+BOUNDARY_SLACK = 32
+# How far back from a cut to look for a whitespace to cut at instead.
+_CUT_WINDOW = 256
+
+
+def encode_within(
+    tokenizer: Tokenizer, text: str, limit: int, param: str, *, add_special_tokens: bool = True
+) -> list[int]:
+    """``tokenizer.encode(text)``, unless a prefix shows the text has ``limit`` tokens or more:
+    then ``context_length_exceeded`` (400) without tokenising the rest."""
+    size = max(limit, 1) * PROBE_CHARS_PER_TOKEN
+    while size < len(text):
+        cut = _cut(text, size)
+        counted = len(tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens))
+        if counted - BOUNDARY_SLACK >= limit:
+            raise too_long(limit, counted - BOUNDARY_SLACK, param)
+        size *= 2
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def too_long(limit: int, at_least: int, param: str) -> APIError:
+    """The refusal of a prompt known to hold ``at_least`` tokens, before counting them all."""
+    # OpenAI's opening words, which clients and users recognise.
+    return APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, the {param} has at "
+        f"least {at_least} tokens. Please reduce the length of the {param}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def _cut(text: str, size: int) -> int:
+    """``size``, or just after the last whitespace before it when one is near."""
+    start = max(size - _CUT_WINDOW, 0)
+    space = max(text.rfind(" ", start, size), text.rfind("\n", start, size))
+    return space + 1 if space > 0 else size

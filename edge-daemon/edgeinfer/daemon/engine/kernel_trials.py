@@ -1,0 +1,345 @@
+"""What the engine times at load: each compiled CPU kernel against the call it replaces, on this
+model's shapes, and where each answer goes.
+
+* ``skinny_gemm`` against oneDNN's packed matmul: per projection shape (all the model's weights
+  of that shape, one after another, as a decode step streams them), at 1, 2, 4 and 8 rows.
+  Where it loses at every row count its panels are given back.
+* ``decoder_pointwise`` against the torch ops ``model.py`` and ``rope.py`` fall back to: each
+  op (RMSNorm, residual add + RMSNorm, q/k rotation, SiLU * up) at 1, 8, 64, 512 ... tokens.
+* ``paged_decode_attention`` against what decode runs without it (numba's in-place kernel for
+  wide KV heads, torch's planned SDPA for narrow ones) at 1, 4, 16, ... sequences of
+  :data:`DECODE_CONTEXT` tokens; ``paged_prefill_attention`` against torch's flash SDPA at
+  chunks of 16, 64, 256, ... tokens.
+
+A size between two measured ones runs the kernel only where both chose it (``SizeRoute``); the
+timing itself, the margin and the cache are :mod:`edgeinfer.kernels.kernel_choice`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edgeinfer.daemon.engine import cpu_attention
+from edgeinfer.daemon.engine.linear import Linear, linear
+from edgeinfer.daemon.engine.model import CausalLM, FusedProjection
+from edgeinfer.daemon.engine.model_config import ModelConfig
+from edgeinfer.daemon.engine.rope import Rotation
+from edgeinfer.kernels import decoder_pointwise, kernel_choice, native_build, skinny_gemm
+from edgeinfer.kernels import paged_attention_native as native
+from edgeinfer.kernels.kernel_choice import Chooser, SizeRoute, Trial, powers_of_two
+from edgeinfer.kernels.paged_attention_cpu import (
+    paged_decode_attention_cpu,
+    plan_decode_cpu,
+    prefill_attention_cpu,
+)
+from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba
+from edgeinfer.kernels.skinny_gemm import SkinnyWeight
+
+log = logging.getLogger(__name__)
+
+DECODE_CONTEXT = 256  # tokens per sequence in the decode-attention trials
+SKINNY_ROWS = (1, 2, 4, 8)
+BUDGET_S = 10.0  # timing per engine load, at most (SmolLM2 on 2 idle cores: ~3 s)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the trials take from the engine's configuration."""
+
+    dtype: torch.dtype
+    block_size: int
+    max_num_seqs: int  # decode batch sizes run up to this
+    max_tokens: int  # prefill chunks run up to this (max_num_batched_tokens, max_model_len)
+
+
+@dataclass
+class TrialSet:
+    """One kernel on one shape over sizes; ``apply`` puts the route where the engine reads it."""
+
+    kernel: str
+    trials: list[tuple[int, Trial, bool]]  # (size, trial, timed at decode threads)
+    apply: Callable[[SizeRoute], None]
+
+
+def projections(model: CausalLM) -> dict[tuple[int, int], list[tuple[Tensor, SkinnyWeight]]]:
+    """The packed weights that also have ``skinny_gemm`` panels (not given back), by
+    ``(out, in)``."""
+    groups: dict[tuple[int, int], list[tuple[Tensor, SkinnyWeight]]] = {}
+    for m in model.modules():
+        packed = m.packed if isinstance(m, Linear) else getattr(m, "weight", None)
+        skinny = m.skinny if isinstance(m, Linear | FusedProjection) else None
+        if skinny is not None and packed is not None and skinny.panels.numel():
+            groups.setdefault((skinny.out_features, skinny.in_features), []).append(
+                (packed, skinny)
+            )
+    return groups
+
+
+Setup = Callable[[], tuple[Callable[[], object], Callable[[], object]]]
+
+
+def skinny_sets(model: CausalLM, sizes: Sizes) -> list[TrialSet]:
+    build = native_build.build_id("skinny_gemm")
+    if build is None:
+        return []
+    sets = []
+    for (out_f, in_f), pairs in projections(model).items():
+        trials = []
+        for rows in (r for r in SKINNY_ROWS if r <= min(sizes.max_num_seqs, pairs[0][1].max_rows)):
+
+            def setup(rows: int = rows, in_f: int = in_f, pairs: list = pairs) -> tuple:
+                x = torch.randn(rows, in_f)
+
+                def onednn() -> None:
+                    for packed, _ in pairs:
+                        linear(x, packed)
+
+                def skinny() -> None:
+                    for _, panels in pairs:
+                        skinny_gemm.skinny_linear(x, panels)
+
+                return onednn, skinny
+
+            case = f"{out_f}x{in_f} float32 x{len(pairs)}, {rows} rows"
+            trials.append((rows, Trial("skinny_gemm", case, "oneDNN", build, setup), True))
+
+        def apply(route: SizeRoute, pairs: list = pairs) -> None:
+            for _, panels in pairs:
+                if route.never:
+                    panels.retire()
+                else:
+                    panels.route = route
+
+        if trials:
+            sets.append(TrialSet("skinny_gemm", trials, apply))
+    return sets
+
+
+def _torch_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``RMSNorm.forward`` without the compiled op (model.py)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def _torch_silu_mul(gate_up: Tensor) -> Tensor:
+    """``MLP.forward``'s SiLU * up without the compiled op (model.py)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def _pointwise_setup(cfg: ModelConfig, dtype: torch.dtype, op: str, tokens: int) -> Setup:
+    """The op's torch formulation and the compiled one on ``tokens`` rows of this model."""
+
+    def setup() -> tuple[Callable[[], object], Callable[[], object]]:
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+        x, delta = torch.randn(tokens, hidden).to(dtype), torch.randn(tokens, hidden).to(dtype)
+        if op == "rms_norm":
+            return (
+                lambda: _torch_norm(x, weight, eps),
+                lambda: decoder_pointwise.rms_norm(x, weight, eps),
+            )
+        if op == "add_rms_norm":
+            return (
+                lambda: _torch_norm(x + delta, weight, eps),
+                lambda: decoder_pointwise.add_rms_norm(x, delta, weight, eps),
+            )
+        if op == "rotate":
+            rotated = cfg.num_heads + cfg.num_kv_heads
+            qkv = torch.randn(tokens, rotated + cfg.num_kv_heads, cfg.head_dim).to(dtype)
+            qk = qkv[:, :rotated]  # q and k of the fused projection's output, rotated in place
+            angles = torch.rand(tokens, cfg.head_dim // 2) * 100
+            emb = torch.cat((angles, angles), dim=-1)
+            rot = Rotation.build(emb.cos(), emb.sin(), dtype)
+            return (
+                lambda: rot.apply(qk),
+                lambda: decoder_pointwise.rotate_(qk, rot.cos, rot.signed_sin),
+            )
+        gate_up = torch.randn(tokens, 2 * cfg.intermediate_size).to(dtype)
+        return lambda: _torch_silu_mul(gate_up), lambda: decoder_pointwise.silu_mul(gate_up)
+
+    return setup
+
+
+def pointwise_sets(cfg: ModelConfig, sizes: Sizes) -> list[TrialSet]:
+    build = native_build.build_id("decoder_pointwise")
+    dtype = sizes.dtype
+    if build is None or not decoder_pointwise.supports(torch.empty(0, dtype=dtype)):
+        return []
+    width = {
+        "rms_norm": f"{cfg.hidden_size}",
+        "add_rms_norm": f"{cfg.hidden_size}",
+        "rotate": f"{cfg.num_heads + cfg.num_kv_heads}x{cfg.head_dim}",
+        "silu_mul": f"{2 * cfg.intermediate_size}",
+    }
+    sets = []
+    for op in decoder_pointwise.OPS:
+        trials = []
+        for tokens in powers_of_two(sizes.max_tokens, step=3):
+            case = f"{op} {width[op]} {_name(dtype)}, {tokens} tokens"
+            setup = _pointwise_setup(cfg, dtype, op, tokens)
+            trial = Trial("decoder_pointwise", case, "torch ops", build, setup)
+            trials.append((tokens, trial, tokens <= sizes.max_num_seqs))
+
+        def apply(route: SizeRoute, op: str = op) -> None:
+            decoder_pointwise.set_route(op, dtype, route)
+
+        sets.append(TrialSet("decoder_pointwise", trials, apply))
+    return sets
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _paged(cfg: ModelConfig, sizes: Sizes, seqs: int, tokens: int) -> tuple[Tensor, ...]:
+    """K/V caches holding ``seqs`` sequences of ``tokens`` on shuffled pages, their tables and
+    lengths (int32)."""
+    page = sizes.block_size
+    per_seq = -(-tokens // page)
+    shape = (seqs * per_seq, page, cfg.num_kv_heads, cfg.head_dim)
+    k_cache, v_cache = (torch.randn(shape).to(sizes.dtype) for _ in range(2))
+    tables = torch.randperm(seqs * per_seq, dtype=torch.int32).view(seqs, per_seq)
+    lens = torch.full((seqs,), tokens, dtype=torch.int32)
+    return k_cache, v_cache, tables, lens
+
+
+def _decode_setup(cfg: ModelConfig, sizes: Sizes, seqs: int, context: int) -> Setup:
+    """Decode attention of ``seqs`` sequences: compiled, against the path without it (numba's
+    in-place kernel for wide KV heads, torch's planned SDPA for narrow ones)."""
+
+    def setup() -> tuple[Callable[[], object], Callable[[], object]]:
+        dtype, heads, d = sizes.dtype, cfg.num_heads, cfg.head_dim
+        values, scale = 2 * cfg.num_kv_heads * d, d**-0.5
+        k_cache, v_cache, tables, lens = _paged(cfg, sizes, seqs, context)
+        q, out = torch.randn(seqs, heads, d).to(dtype), torch.empty(seqs, heads, d, dtype=dtype)
+        prepared = native.PreparedDecode(tables, lens, k_cache.shape, dtype, heads)
+        if values >= cpu_attention.IN_PLACE_MIN_KV_VALUES:
+            return (
+                lambda: paged_decode_attention_numba(q, k_cache, v_cache, tables, lens, scale, out),
+                lambda: prepared(q, k_cache, v_cache, scale, out),
+            )
+        plan = plan_decode_cpu(tables, lens, sizes.block_size, values * dtype.itemsize)
+        return (
+            lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale, plan, out),
+            lambda: prepared(q, k_cache, v_cache, scale, out),
+        )
+
+    return setup
+
+
+def _prefill_setup(cfg: ModelConfig, sizes: Sizes, tokens: int) -> Setup:
+    """A fresh prompt chunk's attention: compiled (reading the pages), against torch's SDPA."""
+
+    def setup() -> tuple[Callable[[], object], Callable[[], object]]:
+        dtype, heads, kv_heads, d = sizes.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        k_cache, v_cache, tables, _ = _paged(cfg, sizes, 1, tokens)
+        q, out = torch.randn(tokens, heads, d).to(dtype), torch.empty(tokens, heads, d, dtype=dtype)
+        k, v = (torch.randn(tokens, kv_heads, d).to(dtype) for _ in range(2))
+        scale = d**-0.5
+        return (
+            lambda: prefill_attention_cpu(q, k, v, scale),
+            lambda: native.paged_prefill_attention_native(
+                q, k_cache, v_cache, tables[0], 0, scale, out
+            ),
+        )
+
+    return setup
+
+
+def attention_sets(cfg: ModelConfig, sizes: Sizes) -> list[TrialSet]:
+    dtype, heads, d = sizes.dtype, cfg.num_heads, cfg.head_dim
+    probe = torch.empty(0, 1, cfg.num_kv_heads, d, dtype=dtype)
+    if not native.supports(torch.empty(0, heads, d, dtype=dtype), probe):
+        return []
+    values = 2 * cfg.num_kv_heads * d
+    shape = f"{heads}/{cfg.num_kv_heads}x{d} {_name(dtype)}"
+    sets = []
+    if build := native_build.build_id("paged_decode_attention"):
+        in_place = values >= cpu_attention.IN_PLACE_MIN_KV_VALUES
+        baseline = "numba in place" if in_place else "torch SDPA plan"
+        context = min(DECODE_CONTEXT, sizes.max_tokens)
+        decodes = []
+        for seqs in powers_of_two(sizes.max_num_seqs, step=2):
+            case = f"{shape}, {seqs} seqs of {context} tokens"
+            setup = _decode_setup(cfg, sizes, seqs, context)
+            decodes.append(
+                (seqs, Trial("paged_decode_attention", case, baseline, build, setup), True)
+            )
+
+        def decode_route(route: SizeRoute) -> None:
+            cpu_attention.set_decode_route(dtype, values, route)
+
+        sets.append(TrialSet("paged_decode_attention", decodes, decode_route))
+    if build := native_build.build_id("paged_prefill_attention"):
+        prefills = []
+        for tokens in powers_of_two(sizes.max_tokens, step=2, smallest=16):
+            case, setup = f"{shape}, {tokens} tokens", _prefill_setup(cfg, sizes, tokens)
+            trial = Trial("paged_prefill_attention", case, "torch SDPA", build, setup)
+            prefills.append((tokens, trial, False))
+
+        def prefill_route(route: SizeRoute) -> None:
+            cpu_attention.set_prefill_route(dtype, values, route)
+
+        sets.append(TrialSet("paged_prefill_attention", prefills, prefill_route))
+    return sets
+
+
+def trial_sets(model: CausalLM, sizes: Sizes) -> list[TrialSet]:
+    """Every kernel trial of this model (none where the libraries did not build), the cheap
+    ones first: where the time budget runs out, the costliest to time keep their baselines."""
+    return (
+        pointwise_sets(model.config, sizes)
+        + attention_sets(model.config, sizes)
+        + skinny_sets(model, sizes)
+    )
+
+
+def choose_kernels(model: CausalLM, sizes: Sizes, threads: tuple[int, int]) -> None:
+    """Time every trial (or read it from the cache) and route each kernel accordingly; logs
+    what was chosen. ``threads``: torch threads of (decode-only steps, steps with prefill).
+    Past :data:`BUDGET_S` of timing (a host busy with other work) the kernels not yet timed
+    keep their baselines."""
+    if kernel_choice.mode() == "off" or not native_build.enabled():
+        return
+    start = time.perf_counter()
+    decode = Chooser(threads[0])
+    prefill = decode if threads[1] == threads[0] else Chooser(threads[1])
+    choosers = [decode] if prefill is decode else [decode, prefill]
+    skipped = []
+    for s in trial_sets(model, sizes):
+        if sum(c.measured_s for c in choosers) > BUDGET_S:
+            s.apply(SizeRoute({1: False}))
+            skipped.append(s.trials[0][1].case)
+            continue
+        try:
+            verdicts = {
+                size: (decode if at_decode else prefill).decide(trial).chosen
+                for size, trial, at_decode in s.trials
+            }
+        except (RuntimeError, ValueError) as exc:  # a kernel that fails on this model's shapes
+            log.warning("%s failed its trial, its baseline runs: %s", s.kernel, exc)
+            verdicts = {1: False}
+        s.apply(SizeRoute(verdicts))
+    for chooser in choosers:
+        chooser.save()
+    if skipped:
+        log.warning(
+            "kernel timing ran past %.0f s (a busy host?): baselines kept, untimed, for %s",
+            BUDGET_S,
+            "; ".join(skipped),
+        )
+    log.info(
+        "compiled kernels chosen by measurement (%.1f s timing, %.1f s in all): %s",
+        sum(c.measured_s for c in choosers),
+        time.perf_counter() - start,
+        kernel_choice.describe() or "none built",
+    )

@@ -1,0 +1,59 @@
+"""What the selector takes (a request's features) and gives (placements), shared by its paths."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from edgeinfer.router.pop_registry import DaemonView
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixHits:
+    """A request's prefix knowledge (:mod:`edgeinfer.router.prefix_lookup`): the prompt's exact
+    length, its full blocks, and per daemon URL the leading blocks held (none: absent)."""
+
+    prompt_tokens: int
+    blocks: int
+    block_size: int
+    hits: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    prompt_tokens: int
+    max_tokens: int
+    model: str | None  # None: the most widely served model
+    # Which daemons hold the prompt's leading blocks (None: unknown, e.g. no tokenizer yet).
+    prefix: PrefixHits | None = None
+    # x-session-affinity, hashed with the tenant (session_affinity.affinity_key); 0: none.
+    affinity: int = 0
+
+
+class Placement(NamedTuple):
+    """One (prefill, decode) choice and its expected latencies. A named tuple: a decision
+    builds three, and a frozen dataclass's field-by-field ``__init__`` costs microseconds."""
+
+    prefill: DaemonView | None  # None: the decode daemon prefills locally
+    decode: DaemonView
+    ttft_s: float
+    itl_s: float
+    meets_slo: bool
+    breakdown: dict[str, float]  # the TTFT terms (they sum to ttft_s) and itl_s
+    # Prompt tokens the prefilling daemon holds cached, those D holds (what need not move), and
+    # the suffix that is computed; without prefix knowledge 0, 0 and the whole prompt.
+    prefill_cached: int = 0
+    decode_cached: int = 0
+    computed_tokens: int | None = None
+
+    def describe(self) -> str:
+        b = {k: round(v * 1000, 1) for k, v in self.breakdown.items()}
+        where = "local" if self.prefill is None else f"{self.prefill.url} ({self.prefill.pop})"
+        slo = "" if self.meets_slo else " OVER SLO"
+        return (
+            f"decode {self.decode.url} ({self.decode.pop}) prefill {where}: ttft "
+            f"{self.ttft_s * 1000:.1f}ms = net {b['net_s']} + admit {b['admission_s']} + queue "
+            f"{b['prefill_queue_s']} + compute {b['prefill_compute_s']} + kv {b['kv_s']}; "
+            f"itl {b['itl_s']}ms; cached tokens prefill {self.prefill_cached} decode "
+            f"{self.decode_cached}{slo}"
+        )

@@ -1,0 +1,174 @@
+"""From a request body to prefix hits per daemon: tokenise as the daemon will, look the keys up.
+
+Tokenizers are fetched once per ``tokenizer_id`` (``GET /v1/tokenizer`` on a daemon advertising
+it, with the router's daemon key: the route is keyed like ``/v1/kv_snapshot``) in the
+background; until one is here, requests are placed without prefix knowledge (session affinity
+stands in, :mod:`edgeinfer.router.session_affinity`). Prompts longer than ``inline_chars`` are
+rendered and encoded on a small thread pool (``tokenizers`` releases the GIL), shorter ones
+inline: a pool hop costs more than encoding a few hundred tokens.
+
+Only daemons that tokenise alike (same ``tokenizer_id`` and block size) are asked: their keys
+are the only ones the request's keys can match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import aiohttp
+import orjson
+
+from edgeinfer.router.daemon_key import DaemonKey
+from edgeinfer.router.errors import RouterError
+from edgeinfer.router.metrics import RouterMetrics
+from edgeinfer.router.placement import PrefixHits
+from edgeinfer.router.pop_registry import DaemonView
+from edgeinfer.router.prefix_index import PrefixIndex, key_array
+from edgeinfer.router.router_tokenizer import PromptText, RouterTokenizer
+
+log = logging.getLogger(__name__)
+
+INLINE_CHARS = 2048  # ~500 tokens, ~0.5 ms to encode: below, cheaper than a worker thread hop
+RETRY_S = 10.0  # after a failed fetch, before the next daemon is asked
+FETCH_TIMEOUT_S = 10.0
+
+
+class PrefixLookup:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        session: aiohttp.ClientSession | None,
+        daemon_key: DaemonKey | None,
+        metrics: RouterMetrics | None,
+        *,
+        workers: int = 2,
+        inline_chars: int = INLINE_CHARS,
+    ) -> None:
+        self._index = index
+        self._session = session
+        self._daemon_key = daemon_key
+        self._metrics = metrics
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize")
+        self._inline_chars = inline_chars
+        self._tokenizers: dict[str, RouterTokenizer] = {}
+        self._fetching: dict[str, asyncio.Task[None]] = {}
+        self._failed_at: dict[str, float] = {}
+
+    def add(self, tokenizer: RouterTokenizer) -> None:
+        """A tokenizer known without fetching (tests, benchmarks)."""
+        self._tokenizers[tokenizer.tokenizer_id] = tokenizer
+
+    async def close(self) -> None:
+        for task in self._fetching.values():
+            task.cancel()
+        for task in list(self._fetching.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def lookup(
+        self, path: str, data: Any, header_salt: str | None, views: Sequence[DaemonView],
+        model: str | None,
+    ) -> PrefixHits | None:  # fmt: skip
+        """Hits per daemon for this request, or None without prefix knowledge (no tokenizer
+        fetched yet, a body the router cannot read as the daemon will, no daemon of the model)."""
+        group = _tokenizer_group(views, model)
+        if group is None:
+            return None
+        tok_id, block_size, urls = group
+        tok = self._tokenizers.get(tok_id)
+        if tok is None or tok.block_size != block_size:
+            self._fetch_soon(tok_id, [v for v in views if v.url in urls])
+            return None
+        prompt = tok.prompt_text(path, data)
+        if prompt is None:
+            return None
+        started = time.perf_counter()
+        if prompt.text is not None and len(prompt.text) > self._inline_chars:
+            loop = asyncio.get_running_loop()
+            n, keys = await loop.run_in_executor(self._pool, _keys, tok, prompt, header_salt, True)
+        else:
+            n, keys = _keys(tok, prompt, header_salt)
+        if self._metrics is not None:
+            self._metrics.tokenize_seconds.observe(time.perf_counter() - started)
+        hits = self._index.lookup(key_array(keys), urls) if keys else {}
+        if self._metrics is not None:
+            self._metrics.prefix_blocks_asked.inc(len(keys))  # matched: by the proxy, as placed
+        return PrefixHits(n, len(keys), block_size, hits)
+
+    def _fetch_soon(self, tok_id: str, holders: list[DaemonView]) -> None:
+        if self._session is None or tok_id in self._fetching:
+            return
+        failed = self._failed_at.get(tok_id)
+        if failed is not None and time.monotonic() - failed < RETRY_S:
+            return
+        task = asyncio.create_task(self._fetch(tok_id, holders), name=f"tokenizer-{tok_id}")
+        self._fetching[tok_id] = task
+        task.add_done_callback(lambda _: self._fetching.pop(tok_id, None))
+
+    async def _fetch(self, tok_id: str, holders: list[DaemonView]) -> None:
+        session = self._session
+        if session is None:
+            return
+        headers = self._daemon_key.headers() if self._daemon_key is not None else None
+        timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
+        for view in sorted(holders, key=lambda v: (not v.available, v.url)):
+            try:
+                async with session.get(
+                    view.url + "/v1/tokenizer", headers=headers, timeout=timeout
+                ) as resp:
+                    if resp.status != 200:
+                        raise RouterError(f"answered {resp.status}")
+                    body = orjson.loads(await resp.read())
+                loop = asyncio.get_running_loop()
+                tok = await loop.run_in_executor(self._pool, RouterTokenizer, body)
+            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, RouterError) as e:
+                log.warning("cannot fetch tokenizer %s from %s: %s", tok_id, view.url, e)
+                continue
+            if tok.tokenizer_id != tok_id:
+                log.warning("%s serves tokenizer %s, not %s", view.url, tok.tokenizer_id, tok_id)
+                continue
+            self._tokenizers[tok_id] = tok
+            self._failed_at.pop(tok_id, None)
+            log.info("tokenizer %s fetched from %s", tok_id, view.url)
+            return
+        self._failed_at[tok_id] = time.monotonic()
+
+
+def _keys(
+    tok: RouterTokenizer, prompt: PromptText, header_salt: str | None, release_gil: bool = False
+) -> tuple[int, list[bytes]]:
+    ids = tok.encode(prompt, release_gil)
+    return len(ids), tok.block_keys(ids, header_salt, prompt.cache_salt)
+
+
+def _tokenizer_group(
+    views: Sequence[DaemonView], model: str | None
+) -> tuple[str, int, set[str]] | None:
+    """The (tokenizer_id, block_size) most of the model's daemons share, and their URLs
+    (without a model: the most widely served one, as the selector defaults)."""
+    if model is None:
+        models = Counter(v.model for v in views if v.available and v.model and v.role != "prefill")
+        if not models:
+            return None
+        model = min(models, key=lambda m: (-models[m], m))
+    groups: Counter[tuple[str, int]] = Counter()
+    for v in views:
+        if v.tokenizer_id and v.available and v.model == model:
+            groups[(v.tokenizer_id, v.block_size)] += 1
+    if not groups:
+        return None
+    (tok_id, block_size), _ = min(groups.items(), key=lambda kv: (-kv[1], kv[0]))
+    urls = {
+        v.url for v in views
+        if v.tokenizer_id == tok_id and v.block_size == block_size
+        and v.model == model
+    }  # fmt: skip
+    return tok_id, block_size, urls

@@ -1,0 +1,127 @@
+"""The selector with prefix hits (prefix_select) and with a session-affinity hint."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+from edgeinfer.router.load_arrays import PlacementConfig
+from edgeinfer.router.selector import PrefixHits, RequestFeatures, record_placement, select
+from edgeinfer.router.session_affinity import AffinityRing, affinity_key
+from test_router_selector import LONDON, NET, World
+
+URLS = tuple(f"http://lon-{i}:8000" for i in range(1, 5))
+CFG = PlacementConfig()
+
+
+def _world(**beat) -> World:
+    w = World({"lon": URLS})
+    for u in URLS:
+        w.beat(u, running=0, in_flight=0, **beat)
+    return w
+
+
+def _place(w: World, f: RequestFeatures, seed: int = 0, cfg: PlacementConfig = CFG):
+    views = w.reg.snapshot(w.now)
+    return select(views, LONDON, f, NET, cfg, random.Random(seed), "lon",
+                  pending=w.reg.pending, now=w.now)  # fmt: skip
+
+
+def _hits(prompt: int, held: dict[str, int]) -> RequestFeatures:
+    return RequestFeatures(prompt, 16, "m", PrefixHits(prompt, prompt // 16, 16, held))
+
+
+def test_the_daemon_holding_the_prefix_takes_it_and_computes_only_the_suffix() -> None:
+    w = _world(prefill_tokens_per_s=2000.0)
+    for seed in range(10):
+        best = _place(w, _hits(800, {URLS[2]: 40}), seed)[0]
+        assert best.decode.url == URLS[2] and best.prefill is None
+        assert (best.decode_cached, best.computed_tokens) == (640, 160)
+        assert best.breakdown["prefill_compute_s"] == 160 / 2000.0
+        assert "cached tokens prefill 640 decode 640" in best.describe()
+
+
+def test_a_prefill_daemon_holding_the_prefix_sends_only_what_decode_lacks() -> None:
+    w = _world(prefill_tokens_per_s=2000.0)
+    # Decode holds 10 blocks, so the pages of 30 move; prefill on the holder of 40 computes 160.
+    # Roles make the pair the only way: URLS[1] may only prefill, URLS[0] only decode.
+    w.beat(URLS[1], role="prefill", running=0, in_flight=0, prefill_tokens_per_s=2000.0)
+    w.beat(URLS[0], role="decode", running=0, in_flight=0, local_prefill_threshold=0)
+    for u in URLS[2:]:
+        w.beat(u, role="prefill", running=0, in_flight=0)
+    f = _hits(800, {URLS[0]: 10, URLS[1]: 40})
+    (p,) = _place(w, f)
+    assert (p.decode.url, p.prefill and p.prefill.url) == (URLS[0], URLS[1])
+    assert (p.prefill_cached, p.decode_cached, p.computed_tokens) == (640, 160, 160)
+    assert p.breakdown["kv_s"] > 0
+
+
+def test_equal_hits_spread_by_load_and_the_guard_caps_a_hot_prefix() -> None:
+    w = _world(prefill_tokens_per_s=50_000.0)
+    held = dict.fromkeys(URLS[:2], 20)  # a hot system prompt on two of four daemons
+    got: Counter[str] = Counter()
+    for i in range(40):
+        f = _hits(400, held)
+        best = _place(w, f, seed=i)[0]
+        record_placement(w.reg.pending, best, f, w.now)
+        got[best.decode.url] += 1
+    assert set(got) == set(URLS)  # the guard spills to the daemons without it
+    mean = sum(got.values()) / len(URLS)
+    # under_bound's one request of slack, and the request that is then placed there.
+    assert max(got.values()) <= 1.25 * mean + 2, got
+    assert got[URLS[0]] > 0 and got[URLS[1]] > 0
+
+
+def test_without_hits_the_prefix_blind_path_is_taken() -> None:
+    w = _world()
+    f = _hits(800, {})
+    assert _place(w, f)[0].computed_tokens is None
+
+
+def test_session_affinity_keeps_a_session_on_one_daemon_within_the_bound() -> None:
+    w = _world()
+    key = affinity_key("tenant", "session-1")
+    f = dataclasses.replace(RequestFeatures(100, 16, "m"), affinity=key)
+    first = {_place(w, f, seed)[0].decode.url for seed in range(10)}
+    assert len(first) == 1
+    # Sessions spread: not all of 40 sessions pick one daemon.
+    picks = {_place(w, dataclasses.replace(f, affinity=affinity_key("t", str(i))))[0].decode.url
+             for i in range(40)}  # fmt: skip
+    assert len(picks) >= 3
+    # Loaded past the bound, the session's daemon passes it on.
+    (url,) = first
+    w.beat(url, running=40, in_flight=40)
+    assert _place(w, f)[0].decode.url != url
+
+
+def test_affinity_keys_are_per_tenant_and_ignore_bad_ids() -> None:
+    assert affinity_key("a", "s") != affinity_key("b", "s")
+    assert affinity_key("a", "") == affinity_key("a", None) == affinity_key("a", "x" * 300) == 0
+    ring = AffinityRing(list(URLS))
+    assert ring.pick(affinity_key("a", "s"), [0.0] * 4, 0.25) in range(4)
+    assert AffinityRing([]).pick(1, [], 0.25) is None
+
+
+def test_a_decode_daemon_prefills_locally_up_to_its_own_threshold() -> None:
+    w = _world()
+    for u in URLS[2:]:
+        w.beat(u, role="prefill", running=0, in_flight=0)
+    w.beat(URLS[1], role="prefill", running=0, in_flight=0)
+    w.beat(URLS[0], role="decode", running=0, in_flight=0, local_prefill_threshold=1000)
+    assert _place(w, RequestFeatures(800, 16, "m"))[0].prefill is None
+    w.beat(URLS[0], role="decode", running=0, in_flight=0, local_prefill_threshold=100)
+    assert _place(w, RequestFeatures(800, 16, "m"))[0].prefill is not None
+    # With prefix hits the uncached suffix is what the threshold is compared with.
+    best = _place(w, _hits(800, {URLS[0]: 45}))[0]
+    assert best.prefill is None and best.computed_tokens == 80
+
+
+def test_session_affinity_stays_in_the_pop_placement_prefers() -> None:
+    far = ("http://sea-1:8000", "http://sea-2:8000")
+    w = World({"lon": URLS, "sea": far})
+    for u in URLS + far:
+        w.beat(u, running=0, in_flight=0)
+    for i in range(30):
+        f = dataclasses.replace(RequestFeatures(100, 16, "m"), affinity=affinity_key("t", str(i)))
+        assert _place(w, f)[0].decode.url in URLS
