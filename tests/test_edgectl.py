@@ -230,7 +230,9 @@ def test_sim_table_and_rows_exact() -> None:
 
 
 def sim(*args: str) -> Result:
-    small = ["--duration", "20", "--pops", "3", "--rate", "5", "--policy", "nearest"]
+    # A synthetic workload: the Azure traces live beside the repository, not in a clone of it.
+    small = ["--workload", "chat", "--duration", "20", "--pops", "3", "--rate", "5",
+             "--policy", "nearest"]  # fmt: skip
     return CliRunner().invoke(cli, ["sim", *small, "--policy", "router", *args])
 
 
@@ -263,7 +265,8 @@ def test_sim_and_plan_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ModuleNotFoundError
     monkeypatch.delitem(sys.modules, "edgeinfer.sim.plots", raising=False)
     assert sim().exit_code == 0
-    plan = ["plan", "--duration", "10", "--pops", "3", "--rate", "5", "--gpus", "2"]
+    plan = ["plan", "--workload", "chat", "--duration", "10", "--pops", "3", "--rate", "5",
+            "--gpus", "2"]  # fmt: skip
     assert CliRunner().invoke(cli, plan).exit_code == 0
     line = "Error: figures need matplotlib, which comes with the sim extra: pip install 'edgeinfer[sim]'\n"
     for result in (
