@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
+import engine_vs_daemon
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
@@ -313,7 +314,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 1 rep")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="float32"
+    )
     threads = len(os.sched_getaffinity(0))
     parser.add_argument("--threads", type=int, default=threads, help="torch threads, both sides")
     parser.add_argument("--b1-reps", type=int, default=3, help="batch-1 runs per side (median)")
@@ -332,7 +335,24 @@ def main() -> None:
         "remaining batches (default: run them all)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--vs-daemon",
+        action="store_true",
+        help="instead: the same closed-loop load through the daemon (SSE) and in-process "
+        "(see engine_vs_daemon.py); --mixed-reps runs each",
+    )
+    parser.add_argument("--vs-daemon-requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8, help="--vs-daemon streams")
+    parser.add_argument("--py-spy", type=Path, help="--vs-daemon: profile one more daemon run")
+    parser.add_argument("--py-spy-gil", action="store_true", help="... sampling the GIL holder")
     args = parser.parse_args()
+    if args.vs_daemon:
+        result = engine_vs_daemon.compare(args)
+        print(json.dumps({k: v for k, v in result.items() if not k.endswith("runs")}, indent=2))
+        out = args.out if args.out != RESULTS else RESULTS.with_name("engine_vs_daemon.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result | {"loadavg_end": os.getloadavg()}, indent=2) + "\n")
+        return
     if args.quick:
         args.num_requests, args.b1_reps, args.mixed_reps = min(args.num_requests, 16), 1, 1
     torch.set_num_threads(args.threads)

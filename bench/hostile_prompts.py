@@ -23,8 +23,10 @@ import asyncio
 import http.client
 import itertools
 import multiprocessing
+import os
 import platform
 import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -54,11 +56,16 @@ class Phase:
     answers: int = 0
     errors: list[str] = field(default_factory=list)
     refusals: list[float] = field(default_factory=list)  # seconds from send to the 400
+    # Seconds from the body's last byte handed to the kernel to the 400 (a queued post's
+    # wait for the daemon's one large-body slot included).
+    after_body: list[float] = field(default_factory=list)
     refusal_codes: dict[str, int] = field(default_factory=dict)
+    daemon_cpu_s: float | None = None  # the daemon's CPU time (user + system) in the phase
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "answers": self.answers,
+            "daemon_cpu_s": self.daemon_cpu_s,
             "token_gaps": len(self.gaps),
             "itl_max_s": max(self.gaps, default=float("nan")),
             "itl_p50_s": statistics.median(self.gaps) if self.gaps else float("nan"),
@@ -70,6 +77,7 @@ class Phase:
                 "hostile_posts": len(self.refusals),
                 "refusal_p50_s": statistics.median(self.refusals),
                 "refusal_max_s": max(self.refusals),
+                "refusal_after_body_p50_s": statistics.median(self.after_body),
                 "refusal_codes": self.refusal_codes,
             }
         return out
@@ -127,26 +135,34 @@ def hostile_bodies(model: str, mib: float) -> list[tuple[str, bytes]]:
     ]
 
 
-def post_until(url: str, path: str, body: bytes, end: float, phase: Phase) -> None:
-    """One hostile client: post ``body`` again and again until ``end``, timing each refusal.
-    Blocking ``http.client`` is the cheapest sender there is: on a shared machine the hostile
-    clients' own CPU must not be what slows the daemon down."""
+def post_until(url: str, path: str, body: Path, end: float, phase: Phase) -> None:
+    """One hostile client: post the file ``body`` again and again until ``end``, timing each
+    refusal. The body goes out with ``sendfile`` from the page cache: on a shared machine the
+    hostile clients' own CPU must not be what slows the daemon down (a real attacker's copying
+    happens on its own machines; loopback still costs the kernel's TCP work here)."""
     parts = urllib.parse.urlsplit(url)
-    headers = {"Content-Type": "application/json"}
-    while time.monotonic() < end:
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=900)
-        sent = time.perf_counter()
-        try:
-            conn.request("POST", path, body=body, headers=headers)
-            resp = conn.getresponse()
-            answer = resp.read()
-        finally:
-            conn.close()
-        phase.refusals.append(time.perf_counter() - sent)
-        code = str(resp.status)
-        if resp.status != 200:
-            code += ":" + str(orjson.loads(answer)["error"].get("code"))
-        phase.refusal_codes[code] = phase.refusal_codes.get(code, 0) + 1
+    assert parts.hostname is not None and parts.port is not None
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {body.stat().st_size}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    with body.open("rb") as file:
+        while time.monotonic() < end:
+            with socket.create_connection((parts.hostname, parts.port), timeout=900) as sock:
+                sent = time.perf_counter()
+                sock.sendall(head)
+                sock.sendfile(file, 0)
+                sent_all = time.perf_counter()
+                resp = http.client.HTTPResponse(sock)
+                resp.begin()
+                answer = resp.read()
+            phase.refusals.append(time.perf_counter() - sent)
+            phase.after_body.append(time.perf_counter() - sent_all)
+            code = str(resp.status)
+            if resp.status != 200:
+                code += ":" + str(orjson.loads(answer)["error"].get("code"))
+            phase.refusal_codes[code] = phase.refusal_codes.get(code, 0) + 1
 
 
 def _session() -> aiohttp.ClientSession:
@@ -168,21 +184,26 @@ def hostile_clients(
     url: str, model: str, mib: float, duration: float, ready: Any, results: Any
 ) -> None:
     """In a process of its own, like clients on other machines: the measuring client's event
-    loop must not be the one busy sending 16 MiB bodies."""
-    bodies = hostile_bodies(model, mib)
-    ready.set()
+    loop must not be the one busy sending 16 MiB bodies (sent from files: see post_until)."""
+    with tempfile.TemporaryDirectory(prefix="hostile-bodies-") as tmp:
+        files = []
+        for i, (path, body) in enumerate(hostile_bodies(model, mib)):
+            file = Path(tmp) / f"{i}.json"
+            file.write_bytes(body)
+            files.append((path, file))
+        ready.set()
 
-    phase = Phase()
-    end = time.monotonic() + duration
-    clients = [
-        threading.Thread(target=post_until, args=(url, *bodies[i % len(bodies)], end, phase))
-        for i in range(HOSTILE_CLIENTS)
-    ]
-    for client in clients:
-        client.start()
-    for client in clients:
-        client.join()
-    results.put((phase.refusals, phase.refusal_codes))
+        phase = Phase()
+        end = time.monotonic() + duration
+        clients = [
+            threading.Thread(target=post_until, args=(url, *files[i % len(files)], end, phase))
+            for i in range(HOSTILE_CLIENTS)
+        ]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+    results.put((phase.refusals, phase.after_body, phase.refusal_codes))
 
 
 async def run_hostile_phase(url: str, model: str, args: argparse.Namespace) -> Phase:
@@ -196,7 +217,8 @@ async def run_hostile_phase(url: str, model: str, args: argparse.Namespace) -> P
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, ready.wait)
         phase = await run_streams(url, model, args.duration)
-        phase.refusals, phase.refusal_codes = await loop.run_in_executor(None, results.get)
+        received = await loop.run_in_executor(None, results.get)
+        phase.refusals, phase.after_body, phase.refusal_codes = received
     finally:
         proc.join(60)
         if proc.is_alive():
@@ -215,22 +237,43 @@ def start_daemon(workdir: Path) -> ChildProcess:
     return spawn("daemon", cmd, workdir=workdir, url=f"http://127.0.0.1:{port}", env=env)
 
 
-async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+def cpu_seconds(pid: int | None) -> float | None:
+    """A process's CPU time so far (Linux): how much work a phase cost the daemon, a figure
+    that other load on a shared machine hardly moves, unlike a wall-clock gap."""
+    if pid is None:
+        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def timed(pid: int | None, phase: Any) -> Phase:
+    """Await ``phase`` (a coroutine returning a Phase) and note the daemon's CPU time in it."""
+    before = cpu_seconds(pid)
+    result: Phase = await phase
+    after = cpu_seconds(pid)
+    if before is not None and after is not None:
+        result.daemon_cpu_s = after - before
+    return result
+
+
+async def measure(url: str, args: argparse.Namespace, pid: int | None) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as resp:
         model = (await resp.json())["data"][0]["id"]
     await run_streams(url, model, 2.0)  # warm-up: first calls pay for lazy initialisation
     rounds = []
+    ratios: list[float] = []
     # Quiet and hostile phases alternate, so a neighbour's burst on a shared machine lands in
     # one round rather than deciding the figure.
     for i in range(args.rounds):
-        quiet = await run_streams(url, model, args.duration)
+        quiet = await timed(pid, run_streams(url, model, args.duration))
         print(f"round {i + 1} quiet:   {_line(quiet)}", flush=True)
-        hostile = await run_hostile_phase(url, model, args)
+        hostile = await timed(pid, run_hostile_phase(url, model, args))
         print(f"round {i + 1} hostile: {_line(hostile)}", flush=True)
         ratio = max(hostile.gaps) / max(quiet.gaps)
         print(f"round {i + 1} ITL max ratio (hostile / quiet): {ratio:.2f}x", flush=True)
         rounds.append({"quiet": quiet.summary(), "hostile": hostile.summary(), "ratio": ratio})
-    median = statistics.median(r["ratio"] for r in rounds)
+        ratios.append(ratio)
+    median = statistics.median(ratios)
     print(f"ITL max ratio, median of {args.rounds} rounds: {median:.2f}x  (target <= 1.5x)")
     return {
         "duration_s": args.duration,
@@ -252,8 +295,11 @@ def _line(phase: Phase) -> str:
         line += (
             f"; {s['hostile_posts']} hostile posts refused in p50 "
             f"{s['refusal_p50_s'] * 1e3:.0f} ms, max {s['refusal_max_s'] * 1e3:.0f} ms "
+            f"(p50 {s['refusal_after_body_p50_s'] * 1e3:.0f} ms after the last byte) "
             f"{s['refusal_codes']}"
         )
+    if phase.daemon_cpu_s is not None:
+        line += f"; daemon CPU {phase.daemon_cpu_s:.1f} s"
     if phase.errors:
         line += f"; errors: {phase.errors[:2]}"
     return line
@@ -274,7 +320,7 @@ def main() -> None:
     try:
         if proc is not None:
             proc.wait_http("/health", 300)
-        result = asyncio.run(measure(url, args))
+        result = asyncio.run(measure(url, args, None if proc is None else proc.pid))
     finally:
         if proc is not None:
             proc.stop()

@@ -114,7 +114,7 @@ def receive_zmq(dealer: zmq.Socket[bytes]) -> int:
         if isinstance(msg, FirstToken):
             return received
         if isinstance(msg, KVChunk):
-            for buf, shape in zip(msg.payloads, msg.shapes):
+            for buf, shape in zip(msg.frames, msg.shapes):
                 received += payload_tensor(buf, msg.dtype, shape).numel() * 2
 
 

@@ -33,6 +33,7 @@ from rich.console import Console  # noqa: E402
 from edgeinfer.sim.metrics import Slo, summary  # noqa: E402
 from edgeinfer.sim.output import table  # noqa: E402
 from edgeinfer.sim.policies import PREFIX_TRACE_POLICIES  # noqa: E402
+from edgeinfer.sim.prefix_cache import BLOCK_TOKENS, hit_rate_bounds  # noqa: E402
 from edgeinfer.sim.profile import EngineProfile  # noqa: E402
 from edgeinfer.sim.scenario import REGION_MIXES, WorkloadSpec, parse_split, run  # noqa: E402
 from edgeinfer.sim.simulator import SimConfig  # noqa: E402
@@ -97,11 +98,22 @@ def compare(
     blind, aware = sums[BLIND], sums[AWARE]
     prefix = aware["prefix"]
     below_pooled = prefix["pooled_cache_bound"] - prefix["block_hit_rate"]
+    held_below_pooled = prefix["pooled_cache_bound"] - prefix["fleet_held_rate"]
     figures = {
         "goodput_x": aware["goodput_rps"] / blind["goodput_rps"],
         "ttft_p90_lower_x": blind["ttft_s"]["p90"] / aware["ttft_s"]["p90"],
         "hit_rate_points_below_pooled": 100 * below_pooled,
         "decode_max_mean": aware["load_max_mean"]["decode"],
+        # Of the hits, blocks prefill daemons received from their decode daemons.
+        "pulled_points": 100 * prefix["pulled_block_rate"],
+        "kv_gb_pulled": prefix["kv_gb_pulled"],
+        # Why the bound is far: what the fleet's caches held when requests arrived (no
+        # placement hits more), and the pooled bound with half the KV (on a P/D split a
+        # remotely prefilled prompt is cached twice, on P and on D).
+        "held_points_below_pooled": 100 * held_below_pooled,
+        "pooled_bound_half_kv": hit_rate_bounds(
+            work.blocks or (), cfg.kv_tokens_per_gpu // BLOCK_TOKENS * topo.gpus // 2
+        )["pooled"],
     }
     targets = {
         "goodput_x >= 1.5": figures["goodput_x"] >= 1.5,

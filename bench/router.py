@@ -18,7 +18,8 @@ the best (and the median) of ten rounds, because a shared host perturbs single r
   and its absorption by heartbeats are paid for too.
 
 ``prefix hits`` (in ``decisions``): the static decisions again, each request's prefix held by
-two daemons (the selector's prefix path). ``tokenize``: rendering a chat, encoding it and
+two daemons (the selector's prefix path), and again with churn (``prefix_hits_churn``); their
+ratio to the prefix-blind static rate is measured in the same run, so host noise mostly cancels. ``tokenize``: rendering a chat, encoding it and
 hashing its blocks as the router does before placing it, per 1k prompt tokens.
 
 ``latency``: p50/p99 of TTFT and of whole streamed responses, direct to a fake daemon vs through
@@ -48,13 +49,16 @@ import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import zlib  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Collection  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from edgeinfer.router.geo import GeoPoint  # noqa: E402
-from edgeinfer.router.network import NetworkModel  # noqa: E402
-from edgeinfer.router.pop_registry import PopConfig, PopRegistry  # noqa: E402
+from edgeinfer.router.network import NetworkModel, unit_vectors  # noqa: E402
+from edgeinfer.router.pop_registry import DaemonView, PopConfig, PopRegistry  # noqa: E402
+from edgeinfer.router.prefix_index import PrefixIndex, U64Array  # noqa: E402
 from edgeinfer.router.selector import (  # noqa: E402
     PlacementConfig,
     PrefixHits,
@@ -199,8 +203,16 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
         reqs[k] = (client, RequestFeatures(f.prompt_tokens, f.max_tokens, f.model,
                                            PrefixHits(f.prompt_tokens, blocks, 16, hits)))  # fmt: skip
     with_prefix = run(None)
-    reqs[:] = plain
     beats_per_s = len(daemons) / HEARTBEAT_INTERVAL_S
+    # The production loop with prefix hits: heartbeats at the rate the prefix path decides.
+    prefix_churn = run(max(1, int(statistics.median(with_prefix) / beats_per_s)))
+    # As the router runs: the index asked about the selector's candidates only
+    # (PrefixHits.lookup). Every daemon holds 2,000 other blocks; the prefix is held by a decode
+    # daemon of the client's nearest PoP (a conversation's earlier turn placed there: all of
+    # it) and one elsewhere (80%).
+    via_index = bench_prefix_index(registry.snapshot(now), pops, plain, reqs)
+    with_index = run(None)
+    reqs[:] = plain
     churn = run(max(1, int(statistics.median(static) / beats_per_s)))
     views = registry.snapshot(now)
     return {
@@ -214,11 +226,59 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
         "decisions_per_s_churn_median": round(statistics.median(churn)),
         "decisions_per_s_prefix_hits": round(max(with_prefix)),
         "decisions_per_s_prefix_hits_median": round(statistics.median(with_prefix)),
+        "decisions_per_s_prefix_hits_churn_median": round(statistics.median(prefix_churn)),
+        "decisions_per_s_prefix_index_median": round(statistics.median(with_index)),
+        "prefix_index_daemons_asked_mean": via_index(),
+        # Same run, same host: what the prefix path costs against the prefix-blind one.
+        "prefix_hits_vs_blind_static": round(
+            statistics.median(with_prefix) / statistics.median(static), 3
+        ),
         "us_per_decision_static": round(1e6 / max(static), 2),
         "heartbeats_per_s_in_churn": beats_per_s,
         "target_decisions_per_s": TARGET_DECISIONS_PER_S,
         "meets_target": min(max(static), max(churn)) >= TARGET_DECISIONS_PER_S,
     }
+
+
+def bench_prefix_index(
+    views: list[DaemonView], pops: list[PopConfig],
+    plain: list[tuple[GeoPoint, RequestFeatures]], reqs: list[tuple[GeoPoint, RequestFeatures]],
+) -> Callable[[], float]:  # fmt: skip
+    """Rewrite ``reqs`` to carry index lookups (module doc); returns the mean number of
+    daemons the selector asked about per lookup, once the requests have run."""
+    rng = np.random.default_rng(0)
+    index = PrefixIndex()
+    for v in views:
+        index.replace(v.url, np.unique(rng.integers(0, 2**63, 2000, dtype=np.uint64)))
+    xyz = unit_vectors([p.lat for p in pops], [p.lon for p in pops])
+    decode = [v.url for v in views if v.role != "prefill"]
+    by_pop = {v.pop: v.url for v in views if v.role == "decode"}
+    asked = [0, 0]
+
+    def counted(q: U64Array) -> Callable[[Collection[str]], dict[str, int]]:
+        def lookup(daemons: Collection[str]) -> dict[str, int]:
+            asked[0] += len(daemons)
+            asked[1] += 1
+            return index.lookup(q, daemons)
+
+        return lookup
+
+    for k, (client, f) in enumerate(plain):
+        blocks = f.prompt_tokens // 16
+        if not blocks:
+            reqs[k] = (client, f)
+            continue
+        q = rng.integers(0, 2**63, blocks, dtype=np.uint64)
+        near = pops[int((xyz @ unit_vectors(client.lat, client.lon)).argmax())].name
+        for url, n in (
+            (by_pop.get(near), blocks),
+            (decode[(k * 13) % len(decode)], blocks * 4 // 5),
+        ):
+            if url is not None and n:
+                index.apply(url, q[:n], q[:0])
+        px = PrefixHits(f.prompt_tokens, blocks, 16, {}, counted(q))
+        reqs[k] = (client, RequestFeatures(f.prompt_tokens, f.max_tokens, f.model, px))
+    return lambda: round(asked[0] / max(asked[1], 1), 1)
 
 
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

@@ -16,7 +16,9 @@ Setups, all on the same two cores, started and killed by this script:
 * ``pd``: a prefill daemon on the first core and a decode daemon on the second (1 thread each),
   the decode daemon prefilling remotely every prompt of ``--local-prefill-threshold`` tokens
   or more (the daemon's default, 512, unless the flag is given);
-* ``vllm``: vLLM's OpenAI server (``--vllm-python``, a venv outside this repo) on both cores.
+* ``vllm`` / ``vllm-all``: vLLM's OpenAI server (``--vllm-python``, a venv outside this repo)
+  pinned to both cores, with its own default CPU binding (one core kept for its API server) /
+  computing on both cores. ``--vs-vllm`` adds both; each comparison takes the faster one.
 
 Prints tables and merges its results into ``bench/results/serving.json`` (``serving_quick.json``
 with ``--quick``), keyed by workload and setup, so a partial rerun keeps the other figures.
@@ -25,6 +27,7 @@ with ``--quick``), keyed by workload and setup, so a partial rerun keeps the oth
     .venv/bin/python bench/serving.py --vs-vllm             # ... and vLLM on the same load
     .venv/bin/python bench/serving.py --setup both --workload c8 --url http://127.0.0.1:8000
     .venv/bin/python bench/serving.py --quick               # tiny model, about a minute
+    .venv/bin/python bench/serving.py --setup both --vs-vllm --workload c8 --model overhead
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from edgeinfer.daemon.engine.default_model import resolve_model
 from edgeinfer.shared.processes import ChildProcess
 from serving_client import Target, drive, metric, target_of, warm_up
 from serving_report import combine, console, fmt, load_results, print_tables, save, summarize
-from serving_setups import SETUPS, cores, launch
+from serving_setups import SETUPS, VLLM_SETUPS, cores, launch
 from serving_workloads import WORKLOADS, Workload, build
 
 RESULTS_DIR = Path(__file__).parent / "results"
+OVERHEAD_MODEL = "overhead"
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "azure_llm_2023"
 # long: 0.4 req/s since the fourth session. Prefill got ~4x faster (bf16, one OpenMP team), and
 # at the old 0.1 req/s the colocated daemon's prefill stalls fell under 1% of its token gaps:
@@ -54,6 +58,21 @@ DEFAULT_RATES = {"long": 0.4, "chat": 0.6, "azure": 0.4}
 # (TTFT s, per-request p99 ITL s): what a reader of a streamed answer on this hardware
 # tolerates; long prompts get a longer TTFT budget because their prefill alone takes seconds.
 DEFAULT_SLO = {"long": (10.0, 0.5), "chat": (3.0, 0.5), "azure": (6.0, 0.5), "c8": (5.0, 0.5)}
+
+
+def overhead_model() -> Path:
+    """The overhead-bound model of issue 19's comparison: a random-weight 4-layer, 256-wide
+    Llama (4 heads of 64, the smallest head vLLM's CPU attention takes), built once into the
+    cache dir. Its steps are so short that per-step overhead decides the speed."""
+    from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
+    from edgeinfer.shared.cache_dir import cache_dir
+
+    path = cache_dir() / "bench-llama-4x256-v1"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(path.name + ".tmp")
+        build_tiny_checkpoint(tmp, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4)
+        tmp.rename(path)
+    return path
 
 
 async def measure(target: Target, wl: Workload) -> dict[str, Any]:
@@ -75,10 +94,13 @@ async def measure(target: Target, wl: Workload) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    model_dir = resolve_model(args.model or ("tiny" if args.quick else None))
+    if args.model == OVERHEAD_MODEL:
+        model_dir = overhead_model()
+    else:
+        model_dir = resolve_model(args.model or ("tiny" if args.quick else None))
     setups = SETUPS if "all" in args.setup else args.setup
-    if args.vs_vllm and "vllm" not in setups:
-        setups = [*setups, "vllm"]
+    if args.vs_vllm:
+        setups = [*setups, *(s for s in VLLM_SETUPS if s not in setups)]
     # The tiny model serves ~50x faster; the smoke run need not idle between arrivals.
     rates = {k: getattr(args, f"{k}_rate") * (4 if args.quick else 1) for k in DEFAULT_RATES}
     slo = {
@@ -154,9 +176,9 @@ def main() -> None:
         "--setup",
         type=lambda s: s.split(","),
         default=["both", "pd"],
-        help="comma-separated: both, pd, vllm, or all (default both,pd)",
+        help="comma-separated: both, pd, vllm, vllm-all, or all (default both,pd)",
     )
-    p.add_argument("--vs-vllm", action="store_true", help="add the vllm setup")
+    p.add_argument("--vs-vllm", action="store_true", help="add both vLLM setups")
     p.add_argument(
         "--workload",
         type=lambda s: s.split(","),
@@ -164,7 +186,11 @@ def main() -> None:
         help=f"comma-separated from {','.join(WORKLOADS)} (default all)",
     )
     p.add_argument("--quick", action="store_true", help="tiny model, few short requests")
-    p.add_argument("--model", help="checkpoint directory (default: the built-in SmolLM2-135M)")
+    p.add_argument(
+        "--model",
+        help="checkpoint directory, 'tiny', or 'overhead' (a 4-layer 256-wide Llama; default: "
+        "the built-in SmolLM2-135M)",
+    )
     p.add_argument("--url", help="drive an already running server instead of starting --setup")
     p.add_argument(
         "--vllm-python",
@@ -179,10 +205,10 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8, help="streams of the c8 workload")
     p.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="every server's dtype (default float32, as the vLLM comparison is specified; "
-        "bfloat16 is the checkpoint's own)",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="every server's dtype (default auto: each server's own choice for the model; "
+        "the daemon takes the checkpoint's bfloat16 only where the CPU has bf16 dot products)",
     )
     for wl, rate in DEFAULT_RATES.items():
         p.add_argument(f"--{wl}-rate", type=float, default=rate, help=f"{wl}: mean req/s")

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.config import EngineConfig
@@ -79,10 +80,17 @@ async def running_pair(
     server_curve: ServerCurve | None = None,
     client_curve: ClientCurve | None = None,
     chunk_bytes: int = 4 * PAGE_BYTES,  # 2 blocks x 1 layer, or 1 block x 2 layers
+    **server_options: Any,
 ) -> AsyncIterator[Pair]:
+    """``server_options``: more keyword arguments of :class:`PrefillServer`."""
     prefill, decode = await start_engine(checkpoint), await start_engine(checkpoint)
     server = PrefillServer(
-        prefill, ANY_PORT, curve=server_curve, stats=TransferStats(), chunk_bytes=chunk_bytes
+        prefill,
+        ANY_PORT,
+        curve=server_curve,
+        stats=TransferStats(),
+        chunk_bytes=chunk_bytes,
+        **server_options,
     )
     await server.start()
     client = RemotePrefillClient(

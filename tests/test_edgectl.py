@@ -57,7 +57,6 @@ def status_rows(fra_state: str) -> list[str]:
         "PoP daemon role load KV free TTFT p50 prefix hits state heartbeat age",
         "───",
         f"fra * http://FRA both 0 run / 0 wait 75% 42 ms 0 / 0 blocks {fra_state} AGE",
-        "",
         "nyc http://NYC both 0 run / 0 wait 75% 42 ms 0 / 0 blocks up AGE",
     ]
 

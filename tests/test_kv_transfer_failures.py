@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from edgeinfer.daemon.kv_transfer.decode_client import PrefillFailed, RemotePrefillClient
-from edgeinfer.daemon.kv_transfer.messages import Abort, KVChunk, PrefillRequest
+from edgeinfer.daemon.kv_transfer.messages import Abort, KVChunk, Message, Ping, PrefillRequest
 from edgeinfer.daemon.kv_transfer.stats import TransferStats
 from edgeinfer.daemon.kv_transfer.wire import decode, encode
 from kv_transfer_helpers import (
@@ -74,8 +74,10 @@ async def fake_prefill_peer(
     send_late = asyncio.Event()
 
     async def serve() -> None:
-        identity, *frames = await router.recv_multipart()
-        req = decode(frames)
+        req: Message = Ping("", 0)
+        while isinstance(req, Ping):  # the client asks what this 'server' supports first
+            identity, *frames = await router.recv_multipart()
+            req = decode(frames)
         await router.send_multipart([identity, *encode(zero_chunk(req.rid, 0, 0))])
         if then_close:
             router.close(linger=0)

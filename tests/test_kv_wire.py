@@ -64,6 +64,12 @@ def valid_kv_frames() -> list[bytes]:
     return [bytes(f) for f in encode(kv_chunk()[0])]
 
 
+def kv_header_with(**fields: Any) -> list[bytes]:
+    frames = valid_kv_frames()
+    header = {**msgpack.unpackb(frames[0][4:]), **fields}
+    return with_header({k: v for k, v in header.items() if v is not None}, *frames[1:])
+
+
 @pytest.mark.parametrize("msg", SMALL_MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip_small(msg: Message) -> None:
     frames = encode(msg)
@@ -109,9 +115,9 @@ def test_kv_round_trip_over_zmq(dtype: str, array: np.ndarray) -> None:
         dtype,
     )
     assert got.shapes == (array.shape, empty.shape)
-    restored = np.frombuffer(got.payloads[0], dtype=array.dtype).reshape(got.shapes[0])
+    restored = np.frombuffer(got.frames[0], dtype=array.dtype).reshape(got.shapes[0])
     np.testing.assert_array_equal(restored, array)
-    assert got.payloads[1].nbytes == 0
+    assert got.frames[1].nbytes == 0
 
 
 def test_payload_frames_are_zero_copy() -> None:
@@ -121,7 +127,7 @@ def test_payload_frames_are_zero_copy() -> None:
     decoded = decode(frames)
     assert isinstance(decoded, KVChunk)
     keys[0, 0, 0, 0, 0] = 42.0  # visible through the decoded view: nothing was copied
-    assert np.frombuffer(decoded.payloads[0], dtype=np.float32)[0] == 42.0
+    assert np.frombuffer(decoded.frames[0], dtype=np.float32)[0] == 42.0
 
 
 @pytest.mark.parametrize(
@@ -178,6 +184,10 @@ HEADER = {"v": 1, "rid": "r", "kind": "abort", "seq": 0, "reason": ""}
         ([*valid_kv_frames(), b"more"], "size_mismatch"),
         ([*valid_kv_frames()[:1], valid_kv_frames()[1][:-4]], "size_mismatch"),
         ([*valid_kv_frames()[:1], b"\x01" + valid_kv_frames()[1][1:]], "checksum"),
+        # Payloads travel as frames only, never in a header.
+        (with_header({**HEADER, "kind": "kv_pull", "blocks": []}), "malformed"),
+        (kv_header_with(payloads=[bytes(2 * 3 * 16 * 2 * 8 * 4)]), "malformed"),
+        (kv_header_with(nbytes=None), "malformed"),
     ],
 )
 def test_decode_rejects(frames: list[bytes], reason: str) -> None:
@@ -195,7 +205,7 @@ def test_cache_salt_is_optional_on_the_wire() -> None:
     # Unsalted requests leave the field out: a peer that predates it reads them unchanged.
     assert "cache_salt" not in prefill_header()
     got = decode(with_header(prefill_header()))
-    assert isinstance(got, PrefillRequest) and got.cache_salt is None
+    assert isinstance(got, PrefillRequest) and got.salt is None
     got = decode(with_header(prefill_header(cache_salt="tenant-a")))
     assert isinstance(got, PrefillRequest) and got.cache_salt == "tenant-a"
 
@@ -271,6 +281,9 @@ _FIELDS = [
     "held_blocks",
     "layout",
     "cache_salt",
+    "offers_pages",
+    "features",
+    "payloads",
     "token",
     "logprob",
     "top_logprobs",
@@ -281,7 +294,7 @@ _FIELDS = [
     "reason",
     "x",
 ]
-_KINDS = ["prefill_req", "kv", "first_token", "error", "abort", "ping", "pong"]
+_KINDS = ["prefill_req", "kv", "kv_pull", "first_token", "error", "abort", "ping", "pong"]
 _headers = st.fixed_dictionaries(
     {
         "v": st.just(1) | _values,

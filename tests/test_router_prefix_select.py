@@ -125,3 +125,36 @@ def test_session_affinity_stays_in_the_pop_placement_prefers() -> None:
     for i in range(30):
         f = dataclasses.replace(RequestFeatures(100, 16, "m"), affinity=affinity_key("t", str(i)))
         assert _place(w, f)[0].decode.url in URLS
+
+
+def test_the_index_is_asked_about_candidates_only_and_a_miss_is_prefix_blind() -> None:
+    pops = {"lon": URLS, "sea": ("http://sea-1:8000", "http://sea-2:8000"),
+            "cgq": ("http://cgq-1:8000", "http://cgq-2:8000")}  # fmt: skip
+    w = World(pops)
+    for urls in pops.values():
+        for u in urls:
+            w.beat(u, running=0, in_flight=0, prefill_tokens_per_s=2000.0)
+    cfg = dataclasses.replace(CFG, prefix_lookup_candidates=2, decode_candidates=2,
+                              prefill_pool=1)  # fmt: skip
+    asked: list[set[str]] = []
+
+    def lookup(held: dict[str, int]):
+        def ask(candidates):
+            asked.append(set(candidates))
+            return {u: n for u, n in held.items() if u in candidates}
+
+        return ask
+
+    def feats(held: dict[str, int]) -> RequestFeatures:
+        return RequestFeatures(800, 16, "m", PrefixHits(800, 50, 16, {}, lookup(held)))
+
+    # Nothing held among the candidates: the prefix-blind placement.
+    blind = _place(w, RequestFeatures(800, 16, "m"), cfg=cfg)[0]
+    missed = _place(w, feats({"http://cgq-1:8000": 50}), cfg=cfg)[0]
+    assert missed.computed_tokens is None and missed.decode.url == blind.decode.url
+    everyone = {u for urls in pops.values() for u in urls}
+    assert asked[-1] < everyone and "http://cgq-1:8000" not in asked[-1]
+    # A candidate holding it takes it.
+    (held,) = [u for u in URLS if u in asked[-1] and u != blind.decode.url][:1]
+    best = _place(w, feats({held: 40, "http://cgq-1:8000": 50}), cfg=cfg)[0]
+    assert best.decode.url == held and best.decode_cached == 640

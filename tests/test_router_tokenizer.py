@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from daemon_helpers import build_checkpoint, daemon_config, load_engine, start
@@ -27,6 +29,38 @@ CHAT = {
         {"role": "user", "content": "and again"},
     ],
 }
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+# A conversation that called a tool and read its result.
+TOOL_HISTORY = [
+    *CHAT["messages"],
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+]  # fmt: skip
+TOOL_BODIES = [
+    {**CHAT, "tools": [WEATHER, TIME]},
+    {"messages": TOOL_HISTORY, "tools": [WEATHER, TIME], "tool_choice": "auto"},
+    {"messages": TOOL_HISTORY, "tools": [WEATHER], "tool_choice": "none"},
+    {**CHAT, "tools": [WEATHER, TIME], "tool_choice": "required"},
+    {
+        **CHAT,
+        "tools": [TIME],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    },
+    {"messages": TOOL_HISTORY},  # calls and results, no tools offered any more
+    {"messages": TOOL_HISTORY, "tools": []},
+]
 BODIES = [
     ("chat", CHAT_PATH, CHAT, None),
     ("chat", CHAT_PATH, {**CHAT, "add_generation_prompt": False}, "tenant-a"),
@@ -35,6 +69,7 @@ BODIES = [
     ("completion", COMPLETIONS_PATH, {"prompt": LONG, "add_special_tokens": False}, "t"),
     ("completion", COMPLETIONS_PATH, {"prompt": LONG, "cache_salt": "x"}, None),
     ("completion", COMPLETIONS_PATH, {"prompt": list(range(5, 70))}, "t"),
+    *(("chat", CHAT_PATH, body, "tenant-a") for body in TOOL_BODIES),
 ]
 
 
@@ -84,6 +119,12 @@ def test_salts_keep_keys_apart(engine):
         (CHAT_PATH, {"messages": []}),
         (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
         (CHAT_PATH, {**CHAT, "chat_template_kwargs": {"messages": []}}),
+        (CHAT_PATH, {**CHAT, "tools": "get_weather"}),
+        (CHAT_PATH, {**CHAT, "tools": [{"type": "retrieval"}]}),
+        (CHAT_PATH, {**CHAT, "tools": [{"type": "function", "function": {}}]}),
+        (CHAT_PATH, {"messages": [{"role": "tool", "content": "x"}]}),
+        (CHAT_PATH, {"messages": [{"role": "user", "tool_calls": TOOL_HISTORY[4]["tool_calls"]}]}),
+        (CHAT_PATH, {"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}),
         (COMPLETIONS_PATH, {"prompt": 3}),
         (COMPLETIONS_PATH, {"prompt": "x", "cache_salt": ""}),
         ("/tokenize", {"prompt": "x"}),
@@ -111,3 +152,30 @@ async def test_the_daemon_serves_its_tokenizer_to_key_holders(aiohttp_client, tm
     assert router.tokenizer_id == state["tokenizer_id"]
     assert router.block_size == config.block_size
     assert router.encode(router.prompt_text(COMPLETIONS_PATH, {"prompt": "hello"}))
+
+
+# Templates that render tools themselves (transformers' way): one source, and a checkpoint's
+# named list whose ``tool_use`` entry is taken only when tools are given.
+NATIVE = (
+    "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PLAIN = "{% for m in messages %}{{ m.role }}> {{ m.content }}\n{% endfor %}"
+
+
+@pytest.mark.parametrize("template", [NATIVE, {"default": PLAIN, "tool_use": NATIVE}])
+@pytest.mark.parametrize("body", TOOL_BODIES)
+def test_tool_requests_render_as_the_daemon_renders_them(engine, template, body):
+    tok = copy.copy(engine.tokenizer)
+    tok.chat_template = template
+    info = ModelInfo("m", tok, tok.vocab_size, 4096, 4096)
+    daemon_ids = parse_request("chat", {**body, "max_tokens": 1}, info, None).prompts[0]
+    router = RouterTokenizer({**tokenizer_description(engine), "chat_template": template})
+    prompt = router.prompt_text(CHAT_PATH, body)
+    assert prompt is not None
+    assert router.encode(prompt) == daemon_ids
+    text = tok.decode(daemon_ids, skip_special_tokens=False)
+    assert ("TOOLS " in text) == bool(body.get("tools"))

@@ -20,7 +20,8 @@ from edgeinfer.daemon.api.errors import error_middleware
 from edgeinfer.daemon.api.handlers import add_api_routes, add_wrong_role_routes
 from edgeinfer.daemon.api.ops import add_ops_routes
 from edgeinfer.daemon.api.protocol import ModelInfo
-from edgeinfer.daemon.api.tokenize_pool import POOL_KEY, TokenizePool
+from edgeinfer.daemon.api.token_bytes import chars_per_token_bound
+from edgeinfer.daemon.api.tokenize_pool import MAX_BODY_BYTES, POOL_KEY, TokenizePool
 from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
@@ -35,9 +36,6 @@ from edgeinfer.shared.openapi import add_openapi_route
 from edgeinfer.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
-
-# Prompts arrive as JSON; 128k token ids take about 1 MiB, aiohttp's default limit.
-MAX_BODY_BYTES = 16 << 20
 
 
 class DaemonError(EdgeInferError):
@@ -126,6 +124,8 @@ async def _load(
         kv_capacity_tokens=bm.num_blocks * bm.block_size,
         tool_call_parser=config.tool_call_parser,
     )
+    # Read from the vocabulary now rather than by the first long prompt (~0.1 s, GIL held).
+    await asyncio.to_thread(chars_per_token_bound, llm.tokenizer)
     state.loaded(engine, RequestRunner(engine, config, metrics, plane), model)
     log.info(
         "model %s ready: %d KV blocks of %d tokens, context %d",

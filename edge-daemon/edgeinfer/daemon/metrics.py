@@ -185,6 +185,13 @@ class DaemonMetrics:
             ["reason"],
             registry=reg,
         )
+        self._kv_pulled = Counter(
+            PREFIX + "kv_pulled_blocks",
+            "KV blocks moved by kv_pull: received by a prefill daemon instead of recomputing "
+            "them, or sent by the decode daemon that held them.",
+            ["direction"],
+            registry=reg,
+        )
 
     # ---- engine snapshot ---------------------------------------------------------------
     def set_engine_stats(self, stats: EngineStats) -> None:
@@ -221,6 +228,12 @@ class DaemonMetrics:
         kv = stats.kv_bytes_sent if direction == "sent" else stats.kv_bytes_received
         self.kv_bytes(direction, kv - seen.kv_bytes)
         seen.kv_bytes = kv
+        # A pull moves pages against the transfer's direction: the prefill side receives them.
+        pull_direction: KVDirection = "received" if direction == "sent" else "sent"
+        self._kv_pulled.labels(direction=pull_direction).inc(
+            stats.pulled_blocks - seen.pulled_blocks
+        )
+        seen.pulled_blocks = stats.pulled_blocks
         for reason, count in stats.failures.items():
             self._kv_failures.labels(reason=reason).inc(count - seen.failures[reason])
             seen.failures[reason] = count
@@ -234,6 +247,7 @@ class _Seen:
     """What :meth:`DaemonMetrics.sync_transfer_stats` already exported of one stats object."""
 
     kv_bytes: int = 0
+    pulled_blocks: int = 0
     failures: CounterDict[str] = field(default_factory=CounterDict)
     dropped: CounterDict[str] = field(default_factory=CounterDict)
 

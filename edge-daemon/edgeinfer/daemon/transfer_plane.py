@@ -71,6 +71,9 @@ class TransferPlane:
                     stats=TransferStats(observe_latency=self.metrics.kv_transfer_time),
                     request_timeout_s=max(cfg.kv_timeout_s * 4, 30.0),
                     listen_fd=self.listeners.take_kv() if self.listeners else None,
+                    prefill_rate=lambda: self.load.rates()[0],
+                    # Well inside the decode side's wait for this daemon's next message.
+                    pull_timeout_s=min(2.0, cfg.kv_timeout_s / 4),
                 )
                 await self.server.start()
                 log.info("serving prefills on %s", cfg.kv_endpoint)

@@ -46,7 +46,8 @@ def status_table(body: dict[str, Any]) -> Table:
                 _prefix(d),
                 _daemon_state(pop, d),
                 _age(d.get("heartbeat_age_s")),
-                end_section=i == len(daemons) - 1,
+                # A gap closes a PoP of several daemons; single-daemon PoPs stay one per line.
+                end_section=len(daemons) > 1 and i == len(daemons) - 1,
             )
     return table
 

@@ -150,7 +150,11 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     watch = DaemonWatch(registry, config.heartbeat_interval_s)
     gate = await Gate.create(config)
     app[GATE_KEY] = gate
-    prefix = PrefixLookup(registry.prefix_index, session, daemon_key, app[METRICS_KEY])
+    prefix = (
+        PrefixLookup(registry.prefix_index, session, daemon_key, app[METRICS_KEY])
+        if config.prefix_aware_placement
+        else None
+    )
     app[PROXY_KEY] = Proxy(
         config,
         registry,
@@ -178,7 +182,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         await prober.stop()
         await snapshots.stop()
         await listener.stop()
-        await prefix.close()
+        if prefix is not None:
+            await prefix.close()
         await session.close()
         await gate.close()
         locator.close()

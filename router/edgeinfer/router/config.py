@@ -57,6 +57,9 @@ class RouterConfig:
     # ---- placement ----
     # Defaults are PlacementConfig's, so each lives in one place.
     itl_slo_s: float = PlacementConfig.itl_slo_s  # decode daemons expected to exceed it lose
+    # false: placement ignores what the daemons' prefix caches hold (the prefix-blind
+    # selector), e.g. to measure what prefix-aware placement gains.
+    prefix_aware_placement: bool = True
     # Further placements tried when a daemon could not be reached or answered 503; a daemon
     # that accepted a request is never replaced (the generation would run twice).
     max_retries: int = 2

@@ -72,6 +72,9 @@ class PlacementConfig:
     load_eps: float = 0.25
     affinity_slack_s: float = 0.05  # a session's daemon is kept while within this of the best
     prefix_candidates: int = 4  # holders of a prompt's prefix priced beside the pruned ones
+    # Decode daemons (the best by network and static cost) whose caches the index is asked
+    # about per request, with the prefill daemons that may serve them: not the whole fleet.
+    prefix_lookup_candidates: int = 16
     work_weight: float = 1.0  # prefix placements: the compute a choice adds (price_pairs)
 
 
@@ -188,6 +191,7 @@ class LoadArrays:
         self.local_max = cols[DCol.LOCAL_MAX_TOKENS]
         self.measured = [x > 0 for x in cols[DCol.MEASURED]]
         self.d_pop: IntArray = dm[:, DCol.POP].astype(np.intp)
+        self.d_pop_list: list[int] = self.d_pop.tolist()
         self.d_xyz: FloatArray = geo.xyz[self.d_pop].reshape(len(d), 3)
         self.d_measured: FloatArray = dm[
             :, DCol.RTT_S
@@ -201,6 +205,7 @@ class LoadArrays:
         )
         self.p_end: FloatArray = p_end + pm[:, PCol.PENDING_PREFILL_S]
         self.p_pop: IntArray = pm[:, PCol.POP].astype(np.intp)
+        self.p_pop_list: list[int] = self.p_pop.tolist()
         self.pooled_short = self.pooled_long = math.inf
         self.pool: IntArray  # indices into p of the cheapest prefill daemons (module doc)
         self.pool_at: dict[int, int]  # index into p -> position in the pool
@@ -264,6 +269,8 @@ class LoadArrays:
             map(tuple, np.stack(cols, axis=1).reshape(len(self.d), len(Row)).tolist())
         )
         self.load = (running + waiting).tolist()  # for the power-of-two choice
+        # Their total, kept with them (the load guard's mean): loads are counts, sums exact.
+        self.load_sum = float(sum(self.load))
 
     # ---- one row at a time (must compute what _derive_all does) -----------------------
     def _derive(self, i: int, t: float) -> None:
@@ -297,6 +304,7 @@ class LoadArrays:
         self.key_long[i] = static + (own_long if own_long < pooled_long else pooled_long)
         self.d_rows[i] = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv, local_max,
                           colo_end, colo_inv, penalty, itl)  # fmt: skip
+        self.load_sum += running + waiting - self.load[i]
         self.load[i] = running + waiting
 
     def affinity_pick(self, key: int, pop: int, eps: float) -> int | None:

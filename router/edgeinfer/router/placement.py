@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from edgeinfer.router.pop_registry import DaemonView
@@ -11,12 +12,16 @@ from edgeinfer.router.pop_registry import DaemonView
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrefixHits:
     """A request's prefix knowledge (:mod:`edgeinfer.router.prefix_lookup`): the prompt's exact
-    length, its full blocks, and per daemon URL the leading blocks held (none: absent)."""
+    length, its full blocks, and per daemon URL the leading blocks held (none: absent).
+
+    With ``lookup`` the hits are not known yet: the selector asks it for the daemons it may
+    place on (its candidates), as asking the index for every daemon of a fleet costs ~2 ms."""
 
     prompt_tokens: int
     blocks: int
     block_size: int
     hits: dict[str, int]
+    lookup: Callable[[Collection[str]], dict[str, int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -96,7 +96,7 @@ class _Holdings:
         """Whether ``key`` (== ``q[i]``) is held: one scalar search, two set probes."""
         base = self.base
         pos = int(base.searchsorted(q[i]))
-        in_base = pos < len(base) and int(base[pos]) == key
+        in_base = pos < len(base) and base.item(pos) == key
         return (in_base and key not in self.removed) or key in self.added
 
     def leading(self, q: U64Array, qlist: list[int]) -> int:
@@ -162,13 +162,21 @@ class PrefixIndex:
         if not len(q):
             return {}
         qlist = q.tolist()
+        first, q0 = qlist[0], q[0]  # one scalar for every daemon's first probe
         table = self._daemons
         names = table.keys() if daemons is None else daemons
         hits: dict[str, int] = {}
         for name in names:
-            holdings = table.get(name)
-            if holdings is not None and (n := holdings.leading(q, qlist)):
-                hits[name] = n
+            h = table.get(name)
+            if h is None:
+                continue
+            # Most daemons miss the first block: that probe inline, the rest in leading().
+            base = h.base
+            pos = base.searchsorted(q0)
+            if (pos < len(base) and base.item(pos) == first and first not in h.removed) or (
+                first in h.added
+            ):
+                hits[name] = h.leading(q, qlist)
         return hits
 
     def __len__(self) -> int:

@@ -32,6 +32,7 @@ turns it into hits per daemon.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import TypeVar
@@ -155,25 +156,36 @@ def price_pairs(
 
 
 def rank(
-    ttft_s: FloatArray, load: FloatArray, allowed: BoolArray, near_tie_s: float,
-    rng: random.Random, limit: int = 3, cached: npt.NDArray[np.int64] | None = None,
+    ttft_s: FloatArray | Sequence[float], load: FloatArray | Sequence[float],
+    allowed: BoolArray | Sequence[bool], near_tie_s: float, rng: random.Random, limit: int = 3,
+    cached: npt.NDArray[np.int64] | Sequence[int] | None = None,
 ) -> list[int]:  # fmt: skip
     """Decode daemons best first among ``allowed`` with a finite TTFT; of the near-ties of the
     best, two drawn at random and the less loaded first (the selector's power of two). With
     ``cached`` (prompt tokens each would not compute) the near-ties caching the most are drawn
     from: on a fast model a prefix's compute is within a near-tie, yet placing the request where
     its prefix lives keeps the conversation's next turn there too (the load guard, in
-    ``allowed``, keeps that from a hot spot); equal hits still spread by load."""
-    idx = np.flatnonzero(allowed & np.isfinite(ttft_s))
-    if not len(idx):
-        return []
-    order = idx[np.argsort(ttft_s[idx], kind="stable")].tolist()
-    # Python floats from here on: a handful of candidates, read one at a time.
-    ttft_l = ttft_s.tolist()
+    ``allowed``, keeps that from a hot spot); equal hits still spread by load. Arrays (every
+    daemon, the simulator) or lists (a few candidates, :mod:`edgeinfer.router.prefix_pairs`)."""
+    if isinstance(ttft_s, np.ndarray):
+        idx = np.flatnonzero(np.asarray(allowed) & np.isfinite(ttft_s))
+        if not len(idx):
+            return []
+        order = idx[np.argsort(ttft_s[idx], kind="stable")].tolist()
+        # Python floats from here on: a handful of candidates, read one at a time.
+        ttft_l = ttft_s.tolist()
+    else:
+        ttft_l = ttft_s if isinstance(ttft_s, list) else list(ttft_s)
+        inf = math.inf
+        # sorted() is stable, as the argsort above.
+        order = sorted([i for i, x in enumerate(ttft_l) if allowed[i] and -inf < x < inf],
+                       key=ttft_l.__getitem__)  # fmt: skip
+        if not order:
+            return []
     best = ttft_l[order[0]]
     ties = [i for i in order if ttft_l[i] <= best + near_tie_s]
     if cached is not None and ties:
-        cached_l = cached.tolist()
+        cached_l = cached.tolist() if isinstance(cached, np.ndarray) else cached
         most = max(cached_l[i] for i in ties)
         ties = [i for i in ties if cached_l[i] == most]
         if len(ties) == 1:
@@ -182,7 +194,7 @@ def rank(
     if len(ties) >= 2:
         i = rng.randrange(len(ties))
         a, b = ties[i], ties[(i + 1 + rng.randrange(len(ties) - 1)) % len(ties)]
-        first = a if load.item(a) <= load.item(b) else b
+        first = a if float(load[a]) <= float(load[b]) else b
         order.remove(first)
         order.insert(0, first)
     return order[:limit]

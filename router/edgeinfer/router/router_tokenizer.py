@@ -3,10 +3,12 @@
 The daemon serves ``GET /v1/tokenizer`` (tokenizer.json, chat template, special tokens, block
 size and ``tokenizer_id``); the router builds a :class:`RouterTokenizer` from it and renders and
 encodes a request the way the daemon's API does: a chat through the model's template
-(:mod:`edgeinfer.shared.chat_template`, the engine's own code) encoded without special tokens
-(the template wrote them), a completion prompt with them unless the body says otherwise. The
-keys are the engine's chained block keys (:mod:`edgeinfer.shared.block_keys`) under the salt
-the daemon will use: the router's per-tenant header combined with the body's ``cache_salt``.
+(:mod:`edgeinfer.shared.chat_template`, the engine's own code), its tools and tool history
+presented as the daemon presents them (:mod:`edgeinfer.shared.tool_prompt`), encoded without
+special tokens (the template wrote them); a completion prompt with them unless the body says
+otherwise. The keys are the engine's chained block keys (:mod:`edgeinfer.shared.block_keys`)
+under the salt the daemon will use: the router's per-tenant header combined with the body's
+``cache_salt``. ``tool_choice`` changes no prompt (only the grammar of a forced call).
 
 A body the daemon will reject (or that the router cannot read the same way) gives None: the
 request is then placed without prefix knowledge and the daemon words the error.
@@ -23,6 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from edgeinfer.router.errors import RouterError
 from edgeinfer.shared.block_keys import chain_keys, effective_cache_salt
 from edgeinfer.shared.chat_template import ChatTemplate, ChatTemplateError, render_chat
+from edgeinfer.shared.tool_prompt import has_tool_history, present_tools, renders_tools
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -105,20 +108,33 @@ class RouterTokenizer:
                 return None
             chat.append(message)
         extra = data.get("chat_template_kwargs") or {}
-        if not isinstance(extra, dict) or _TEMPLATE_ARGUMENTS.intersection(extra):
+        if not isinstance(extra, dict):
+            return None
+        raw_tools = data.get("tools")
+        tools = [] if raw_tools is None else _tools(raw_tools)
+        if tools is None:
             return None
         add = data.get("add_generation_prompt", True)
         if not isinstance(add, bool):
             return None
         try:
+            if tools or has_tool_history(chat):
+                native = renders_tools(self.chat_template, tools)
+                chat, tool_args = present_tools(chat, tools, native)
+                extra = {**extra, **tool_args}
+            if _TEMPLATE_ARGUMENTS.intersection(extra):
+                return None
             return render_chat(self.chat_template, self.special_tokens, chat, add, **extra)
         except ChatTemplateError:
             return None
 
 
 def _chat_message(message: Any) -> dict[str, Any] | None:
-    """As the daemon reads a message: text parts joined by newlines; anything else unread."""
+    """As the daemon reads a message: text parts joined by newlines, tool calls and results
+    well formed; anything else unread."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return None
+    if not _tool_history_ok(message):
         return None
     content = message.get("content")
     if isinstance(content, list):
@@ -133,6 +149,42 @@ def _chat_message(message: Any) -> dict[str, Any] | None:
     elif content is not None and not isinstance(content, str):
         return None
     return {**message, "content": content}
+
+
+def _tool_history_ok(message: dict[str, Any]) -> bool:
+    """The daemon's checks on an assistant's ``tool_calls`` and a ``tool`` message."""
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if message["role"] != "assistant" or not isinstance(calls, list):
+            return False
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                return False
+            if not all(isinstance(v, str | None) for v in (call.get("id"), fn.get("arguments"))):
+                return False
+            if call.get("type", "function") != "function":
+                return False
+    call_id = message.get("tool_call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        return False
+    return message["role"] != "tool" or call_id is not None
+
+
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
+    """The tools as the daemon hands them to the template (its stricter checks refuse the
+    rest: a name, a schema), or None where it refuses the list."""
+    if not isinstance(raw, list):
+        return None
+    tools = []
+    for tool in raw:
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            return None
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return None
+        tools.append({"type": "function", "function": fn})
+    return tools
 
 
 def _completion_prompt(data: dict[str, Any], salt: str | None) -> PromptText | None:

@@ -21,7 +21,8 @@ and the same for every candidate.
 
 Prefix hits (``features.prefix``: which daemons hold the prompt's leading blocks) switch to
 :mod:`edgeinfer.router.prefix_select`, which prices the uncached suffix and the blocks the
-decode daemon lacks. Without prefix knowledge, a session-affinity hint (``features.affinity``,
+decode daemon lacks (when none of its candidates holds a block, the path below decides).
+Without prefix knowledge, a session-affinity hint (``features.affinity``,
 :mod:`edgeinfer.router.session_affinity`) puts the session's daemon (of the PoP placement
 prefers) first when it is within the load bound, the ITL SLO and ``affinity_slack_s`` of the
 best.
@@ -85,8 +86,11 @@ def select(
         return []
     t = now if now is not None else 0.0  # queues are end times on this clock (load_arrays)
     net_s = _net_to_client(prep, a, net, client, here, here_point)
-    if features.prefix is not None and features.prefix.hits:
-        return select_with_prefix(a, net, net_s, features, cfg, rng, limit, t)
+    px = features.prefix
+    if px is not None and (px.hits or px.lookup is not None):
+        placed = select_with_prefix(a, net, net_s, features, cfg, rng, limit, t)
+        if placed is not None:  # None: no candidate holds the prefix
+            return placed
     prompt = max(1, features.prompt_tokens)
     # Keep the D with the best network + static cost; price them exactly below.
     short = prompt <= cfg.short_prompt_tokens

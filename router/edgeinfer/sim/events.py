@@ -29,6 +29,8 @@ POP_RECOVER = 7  # a: PoP index
 POP_DRAIN = 8  # a: PoP index, b: 1 drain, 0 undrain
 BUCKET = 9  # utilisation sample boundary
 STATS = 10  # a: engine refreshes the load snapshot its heartbeats report
+PULLED = 11  # a: request's prefix pages pulled from its decode engine are at its prefill engine,
+# b: the prompt tokens its prefill job starts at
 
 # Request status codes (Requests.status).
 PENDING, DONE, FAILED, REJECTED = 0, 1, 2, 3

@@ -8,8 +8,8 @@ it, which is the point of measuring goodput rather than throughput.
 
 Load balance is max / mean over the decode-capable engines of the requests each decoded, and
 over the prefill-capable ones of the prompt tokens each computed. On prefix-sharing workloads
-the block hit rate (blocks a prefill found in its engine's cache / blocks asked) is reported
-beside what an infinite cache and one pooled cache of the fleet's KV would have hit.
+the block hit rate (blocks a prefill found in its engine's cache or received from its decode
+engine / blocks asked; the latter also apart, as the pulled rate) is reported beside what an infinite cache and one pooled cache of the fleet's KV would have hit.
 """
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ def prefix_hits(res: SimResult) -> dict[str, float] | None:
     asked = c["prefix_blocks_asked"]
     return {
         "block_hit_rate": c["prefix_blocks_hit"] / asked if asked else 0.0,
+        # Of the hits, blocks the prefill engine received from its decode engine.
+        "pulled_block_rate": c["prefix_blocks_pulled"] / asked if asked else 0.0,
+        "kv_gb_pulled": c["kv_bytes_pulled"] / 1e9,
+        # Blocks some daemon held when the request arrived: the best any placement could hit.
+        "fleet_held_rate": c["prefix_blocks_held"] / asked if asked else 0.0,
         "infinite_cache_bound": bounds["infinite"],
         "pooled_cache_bound": bounds["pooled"],
         "blocks_asked": asked,

@@ -45,6 +45,7 @@ COLUMNS = tuple(header for _, header, _ in FIELDS)
 PREFIX_FIELDS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("ttft_p90_s", "TTFT p90", _ms),
     ("block_hit_rate", "hit rate", lambda v: f"{v:.1%}"),
+    ("pulled_block_rate", "pulled", lambda v: f"{v:.1%}"),
     ("pooled_cache_bound", "pooled bound", lambda v: f"{v:.1%}"),
     ("decode_max_mean", "D max/mean", lambda v: "-" if v is None else f"{v:.2f}"),
 )
@@ -83,6 +84,7 @@ def _prefix_row(s: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "ttft_p90_s": s["ttft_s"]["p90"],
         "block_hit_rate": prefix["block_hit_rate"],
+        "pulled_block_rate": prefix["pulled_block_rate"],
         "pooled_cache_bound": prefix["pooled_cache_bound"],
         "decode_max_mean": s["load_max_mean"]["decode"],
     }

@@ -101,7 +101,9 @@ class Engine:
                 self.sim.send_prefill(r, now)
 
     def enqueue(self, job: Job, now: float) -> None:
-        if job[1] == 0:  # a prefix this engine caches is not computed again
+        # A prefix this engine caches is not computed again; a job for another engine comes
+        # with its start decided (the simulator looks up both caches and may pull pages).
+        if job[1] == 0 and job[2] == self.idx:
             job[1] = self.sim.cached(job[0], self.idx)
         self.prefill_q.append(job)
         self.queued_tokens += self.reqs.prompt[job[0]] - job[1]

@@ -13,7 +13,10 @@ placements as the proxy does.
 
 With a prefix-sharing workload (block keys per request) every engine has a prefix cache
 (:mod:`edgeinfer.sim.prefix_cache`): a prefill computes only what its engine lacks, and only
-the blocks the decode engine lacks travel.
+the blocks the decode engine lacks travel. A prefill engine lacking blocks its decode engine
+holds receives them from it instead of computing them where that is cheaper
+(:func:`edgeinfer.router.kv_pull.price_pull`, the daemons' rule): a round trip plus the pages
+over the pair's link before its prefill starts; they count as hits, and apart as pulled.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TypedDict
 
 import numpy as np
 
+from edgeinfer.router.kv_pull import price_pull
 from edgeinfer.router.network import PopGeometry, unit_vectors
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry
 from edgeinfer.router.prefix_scoring import cached_tokens
@@ -42,6 +46,7 @@ from edgeinfer.sim.events import (
     POP_DRAIN,
     POP_FAIL,
     POP_RECOVER,
+    PULLED,
     REJECTED,
     STATS,
     STEP_END,
@@ -128,7 +133,8 @@ class Simulation:
         self.counters = dict.fromkeys(
             ("failed_in_flight", "rejected", "connect_failures", "prefill_fallbacks",
              "kv_bytes_cross_pop", "kv_bytes_intra_pop", "remote_prefills",
-             "prefix_blocks_asked", "prefix_blocks_hit"), 0.0)  # fmt: skip
+             "prefix_blocks_asked", "prefix_blocks_hit", "prefix_blocks_pulled",
+             "prefix_blocks_held", "kv_bytes_pulled"), 0.0)  # fmt: skip
         # Prefix caches only where requests name their blocks; prompt tokens each prefill found.
         self.blocks = work.blocks
         self.caches = (FleetCaches(len(self.engines), cfg.kv_tokens_per_gpu // BLOCK_TOKENS)
@@ -163,6 +169,36 @@ class Simulation:
         self.counters["prefix_blocks_hit"] += hit
         self.hit_tokens[r] = cached_tokens(self.reqs.prompt[r], hit, BLOCK_TOKENS)
         return self.hit_tokens[r]
+
+    def remote_start(self, r: int, p: Engine) -> tuple[int, float]:
+        """Where ``r``'s prefill on ``p`` (for its decode engine) starts, in prompt tokens, and
+        how long the pages it pulls from the decode engine take (0: none pulled)."""
+        if self.caches is None or self.blocks is None:
+            return 0, 0.0
+        keys, tokens, c = self.blocks[r], self.reqs.prompt[r], self.counters
+        de = self.engines[self.reqs.decode[r]]
+        p_hit = self.caches.lookup(p.idx, keys)
+        # D's hits are this request's own blocks there (allocated at admission), so they stay.
+        d_hit = self.caches.lookup(de.idx, keys)
+        start = cached_tokens(tokens, p_hit, BLOCK_TOKENS)
+        hit, pull_s = p_hit, 0.0
+        held = cached_tokens(tokens, d_hit, BLOCK_TOKENS)
+        if held > start:
+            prof, same = self.prof, p.pop == de.pop
+            rate = prof.prefill_s(held - start, start) / (held - start)
+            rtt = 0.0 if same else self.geo.rtt[p.pop, de.pop] * self.jitter[1][r]
+            price = price_pull(self.cfg.net, tokens, start, held, rate, prof.kv_bytes_per_token,
+                               rtt)  # fmt: skip
+            if price.pull:
+                moved = (held - start) * prof.kv_bytes_per_token
+                c["prefix_blocks_pulled"] += d_hit - p_hit
+                c["kv_bytes_pulled"] += moved
+                c["kv_bytes_intra_pop" if same else "kv_bytes_cross_pop"] += moved
+                start, hit, pull_s = held, d_hit, float(price.pull_s)
+        c["prefix_blocks_asked"] += len(keys)
+        c["prefix_blocks_hit"] += hit
+        self.hit_tokens[r] = start
+        return start, pull_s
 
     def computed(self, r: int, e: int) -> None:
         """Engine ``e`` has the KV of ``r``'s prompt (prefilled there, or its pages arrived)."""
@@ -241,6 +277,8 @@ class Simulation:
                     d.join(a, t)
             elif kind == AT_PREFILL:
                 self._at_prefill(a, t)
+            elif kind == PULLED:
+                self._pulled(a, b, t)
             elif kind == HEARTBEAT:
                 self._heartbeat(engines[a], t)
                 if t < self.last_arrival:
@@ -264,6 +302,9 @@ class Simulation:
         lat, lon = float(work.lat[r]), float(work.lon[r])
         delay, pending = 0.0, self.registry.pending
         keys: Sequence[int] = self.blocks[r] if self.blocks is not None else ()
+        if self.caches is not None and keys:
+            # What any placement could have hit: the most leading blocks one daemon holds.
+            self.counters["prefix_blocks_held"] += max(self.caches.hits(keys).values(), default=0)
         choices = self.policy.place(views, pending, lat, lon, f, self.here[r], CLOCK0 + now,
                                     keys)  # fmt: skip
         for k, (d_url, p_url) in enumerate(choices):
@@ -298,8 +339,22 @@ class Simulation:
         if reqs.status[r] != PENDING:
             return
         p, d = self.engines[reqs.prefill[r]], reqs.decode[r]
+        if not p.alive:
+            self.fallback(r, now)
+            return
+        start, pull_s = self.remote_start(r, p)
+        if pull_s > 0:
+            self.q.push(now + pull_s, PULLED, r, start)
+        else:
+            p.enqueue([r, start, d], now)
+
+    def _pulled(self, r: int, start: int, now: float) -> None:
+        reqs = self.reqs
+        if reqs.status[r] != PENDING:
+            return
+        p = self.engines[reqs.prefill[r]]
         if p.alive:
-            p.enqueue([r, 0, d], now)
+            p.enqueue([r, start, reqs.decode[r]], now)
         else:
             self.fallback(r, now)
 

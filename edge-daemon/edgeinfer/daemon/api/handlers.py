@@ -30,7 +30,7 @@ from edgeinfer.daemon.api.protocol import (
 )
 from edgeinfer.daemon.api.responses import SSE_DONE, ResponseBuilder, sse
 from edgeinfer.daemon.api.structured import compile_constraint
-from edgeinfer.daemon.api.tokenize_pool import POOL_KEY
+from edgeinfer.daemon.api.tokenize_pool import POOL_KEY, read_body
 from edgeinfer.daemon.api.tokenize_routes import add_tokenize_routes
 from edgeinfer.daemon.engine.errors import EngineError, InvalidRequestError
 from edgeinfer.daemon.engine.outputs import RequestOutput
@@ -116,8 +116,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         try:
             runner, model = _admit(request)
             pool = request.app[POOL_KEY]
-            async with pool.admitted(request.content_length):
-                body = load_json(await request.read())
+            async with pool.admitted(request.content_length, runner.engine.lend_cores):
+                body = load_json(await read_body(request))
                 endpoint = trusted_prefill_endpoint(request, body)
                 req = await pool.run(parse_request, kind, body, model, endpoint)
                 if req.params.structured is not None:

@@ -10,11 +10,19 @@ A prefix can count a few more tokens than the same span of the whole text (its l
 be cut, and a cut word can split into more pieces), so a prefix proves the prompt too long
 only with :data:`BOUNDARY_SLACK` tokens to spare, and the cut is moved back to a whitespace
 when there is one nearby.
+
+Before any of that, a text's length alone may already prove it too long
+(:mod:`~edgeinfer.daemon.api.token_bytes`): :func:`check_chars` for a text, and
+:func:`check_chat` for a conversation before its template renders it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from edgeinfer.daemon.api.errors import APIError
+from edgeinfer.daemon.api.token_bytes import chars_per_token_bound, min_tokens
 from edgeinfer.daemon.engine.tokenizer import Tokenizer
 
 # The first probe's length in characters per allowed token: English averages about four.
@@ -23,6 +31,9 @@ PROBE_CHARS_PER_TOKEN = 4
 BOUNDARY_SLACK = 32
 # How far back from a cut to look for a whitespace to cut at instead.
 _CUT_WINDOW = 256
+# Roles whose content a template may shorten by what it says: reasoning templates (Qwen3,
+# DeepSeek-R1) keep only what follows an assistant message's last "</think>".
+_UNCOUNTED_ROLES = frozenset({"assistant"})
 
 
 def encode_within(
@@ -30,6 +41,7 @@ def encode_within(
 ) -> list[int]:
     """``tokenizer.encode(text)``, unless a prefix shows the text has ``limit`` tokens or more:
     then ``context_length_exceeded`` (400) without tokenising the rest."""
+    check_chars(tokenizer, len(text), limit, param)
     size = max(limit, 1) * PROBE_CHARS_PER_TOKEN
     while size < len(text):
         cut = _cut(text, size)
@@ -38,6 +50,56 @@ def encode_within(
             raise too_long(limit, counted - BOUNDARY_SLACK, param)
         size *= 2
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_chars(tokenizer: Tokenizer, chars: int, limit: int, param: str) -> None:
+    """``context_length_exceeded`` (400) when a text of ``chars`` characters holds at least
+    ``limit`` tokens whatever it says (see :mod:`~edgeinfer.daemon.api.token_bytes`)."""
+    if chars < limit:
+        return  # no token is shorter than one character: nothing to prove
+    bound = chars_per_token_bound(tokenizer)
+    if bound is not None and (at_least := min_tokens(chars, bound)) >= limit:
+        raise too_long(limit, at_least, param)
+
+
+def check_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    limit: int,
+    render: Callable[[list[dict[str, Any]]], str],
+) -> None:
+    """Refuse a conversation whose messages alone cannot fit in ``limit`` tokens, before the
+    chat template renders them (rendering copies a 16 MiB message several times over).
+
+    A message counts only if the template shows its content: ``render`` (the template) runs
+    once on the conversation with each text content replaced by a marker, and a message
+    whose marker is missing from the result (a template that drops it, or cuts it) adds
+    nothing. Content is counted without its surrounding whitespace (templates often trim).
+    Assistant messages never count (see ``_UNCOUNTED_ROLES``). Costs nothing unless the
+    contents are long enough to decide."""
+    counted = [
+        i
+        for i, m in enumerate(messages)
+        if m.get("role") not in _UNCOUNTED_ROLES and isinstance(m.get("content"), str)
+    ]
+    if sum(len(messages[i]["content"]) for i in counted) < limit:
+        return
+    bound = chars_per_token_bound(tokenizer)
+    if bound is None:
+        return
+    # Every text content becomes a marker, so the probe renders nothing long, and no message
+    # can show another's marker.
+    markers = {
+        i: f"\u2063edgeinfer-message-{i}\u2063"
+        for i, m in enumerate(messages)
+        if isinstance(m.get("content"), str)
+    }
+    shown = render(
+        [{**m, "content": markers[i]} if i in markers else m for i, m in enumerate(messages)]
+    )
+    chars = sum(len(messages[i]["content"].strip()) for i in counted if markers[i] in shown)
+    if (at_least := min_tokens(chars, bound)) >= limit:
+        raise too_long(limit, at_least, "messages")
 
 
 def too_long(limit: int, at_least: int, param: str) -> APIError:

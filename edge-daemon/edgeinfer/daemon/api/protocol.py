@@ -18,7 +18,7 @@ import msgspec
 from edgeinfer.daemon.api.cache_salt import body_cache_salt
 from edgeinfer.daemon.api.errors import APIError
 from edgeinfer.daemon.api.fields import Fields
-from edgeinfer.daemon.api.prompt_length import encode_within, too_long
+from edgeinfer.daemon.api.prompt_length import check_chat, encode_within, too_long
 from edgeinfer.daemon.api.structured import parse_structured
 from edgeinfer.daemon.api.tools import ToolRequest, check_tool_history, parse_tools, render_messages
 from edgeinfer.daemon.api.unsupported import refuse_unsupported
@@ -97,7 +97,7 @@ class GenerateRequest:
         return dataclasses.replace(self.params, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
-def load_json(raw: bytes) -> dict[str, Any]:
+def load_json(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         # msgspec, not orjson: a 16 MiB body decodes in about half the time, and decoding
         # holds the GIL (the event loop and the engine thread wait) from start to end.
@@ -312,10 +312,15 @@ def _chat_prompt(f: Fields, model: ModelInfo, tools: ToolRequest | None) -> list
         param = f"chat_template_kwargs.{reserved}"
         raise APIError(400, f"{param} is not allowed: the request sets it", param=param)
     add_generation_prompt = f.flag("add_generation_prompt", True)
-    try:
-        text = model.tokenizer.apply_chat_template(
-            chat, add_generation_prompt=add_generation_prompt, **extra
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        return model.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **extra
         )
+
+    try:
+        check_chat(model.tokenizer, chat, model.max_model_len, render)
+        text = render(chat)
     except InvalidRequestError as exc:
         raise APIError.invalid(exc) from exc
     # The template already wrote any special tokens it wants (vLLM does the same).

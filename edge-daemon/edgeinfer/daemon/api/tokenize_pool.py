@@ -11,7 +11,12 @@ the loop: the parsers hold the GIL throughout, so a thread would not shorten the
 Admission is bounded too. A request with a large body (over :data:`LARGE_BODY_BYTES`, or of
 unknown length) waits for one of ``max_large`` slots before its body is read, so a thousand
 16 MiB posts wait on their connections rather than hold 16 GiB here; small requests never wait
-for a slot (they may still queue briefly for a thread).
+for a slot (they may still queue briefly for a thread). One slot by default: reading, decoding
+and checking a 16 MiB body is ~25 ms of CPU, most of it holding the GIL, so a second one at
+the same time would only take a second core from the engine. While a large body is admitted
+the engine steps on one thread (``lend``, :meth:`AsyncEngine.lend_cores`), leaving the other
+cores to this work: measured on 2 cores, 4 clients posting 16 MiB prompts in a loop made the
+streams' longest token gap 20x longer with the engine on 2 threads throughout.
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 T = TypeVar("T")
 
 # A body under this is parsed without waiting for a slot: 1 MiB holds a ~250k-token prompt.
 LARGE_BODY_BYTES = 1 << 20
+# The daemon's body limit (its app's client_max_size; larger: 413). Prompts arrive as JSON;
+# 128k token ids take about 1 MiB, aiohttp's default limit.
+MAX_BODY_BYTES = 16 << 20
 DEFAULT_WORKERS = 2
-DEFAULT_MAX_LARGE = 4
+DEFAULT_MAX_LARGE = 1
 
 
 class TokenizePool:
@@ -39,13 +47,19 @@ class TokenizePool:
         self._large = asyncio.Semaphore(max_large)
 
     @contextlib.asynccontextmanager
-    async def admitted(self, content_length: int | None) -> AsyncIterator[None]:
-        """Hold a slot for the block (reading and parsing the body) when the body is large."""
+    async def admitted(
+        self,
+        content_length: int | None,
+        lend: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> AsyncIterator[None]:
+        """Hold a slot for the block (reading and parsing the body) when the body is large,
+        and run the block inside ``lend()`` once the slot is held."""
         if content_length is not None and content_length <= LARGE_BODY_BYTES:
             yield
             return
         async with self._large:
-            yield
+            with lend():
+                yield
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread. A cancelled caller stops waiting; the call itself
@@ -55,6 +69,26 @@ class TokenizePool:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def read_body(request: web.Request) -> bytes | bytearray:
+    """The request's body, copied once: into a buffer of its declared length. aiohttp's
+    ``read()`` grows a bytearray chunk by chunk and then copies it into bytes, all on the event
+    loop with the GIL held: on a 16 MiB body, more of the loop's time than decoding the JSON
+    (py-spy). A body without a length, over the limit (413) or compressed (its length is not
+    the decoded one) goes through ``read()``."""
+    size = request.content_length
+    if size is None or size > MAX_BODY_BYTES or hdrs.CONTENT_ENCODING in request.headers:
+        return await request.read()
+    body = bytearray(size)
+    filled = 0
+    with memoryview(body) as view:
+        # aiohttp's parser delivers exactly Content-Length bytes, or raises if the
+        # connection ends first.
+        while chunk := await request.content.readany():
+            view[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+    return body
 
 
 POOL_KEY = web.AppKey("tokenize_pool", TokenizePool)

@@ -4,16 +4,13 @@
 ``auto`` (free generation, calls parsed out of it), ``required`` or a named function (the
 call is forced by a grammar in the model's own format, arguments valid for the schema).
 
-Templates that know tools get them as transformers passes them (``tools=``, assistant
-``tool_calls`` with the arguments as objects, ``tool`` messages). Templates that do not (the
-built-in model's, the tiny test model's) get the tools as a Hermes block in the system
-message, past calls as ``<tool_call>`` text and tool results as ``<tool_response>`` user
-turns, as Qwen's template writes them; the answer is then read with the Hermes parser.
+How the tools reach the prompt is :mod:`edgeinfer.shared.tool_prompt` (the router renders
+with the same code): as transformers passes them to templates that know tools, else as a
+Hermes block in the system message, the answer then read with the Hermes parser.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -30,17 +27,10 @@ from edgeinfer.daemon.engine.structured.tool_grammar import (
 )
 from edgeinfer.daemon.engine.tokenizer import Tokenizer
 from edgeinfer.shared.chat_template import ChatTemplateError, template_source
+from edgeinfer.shared.tool_prompt import has_tool_history, present_tools
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
-# How Qwen 2.5's template introduces tools; small models trained on ChatML follow it best.
-_HERMES_SYSTEM = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-    "{tools}\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
-)
 
 
 @dataclass(frozen=True)
@@ -72,11 +62,7 @@ def parse_tools(
     parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise APIError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
-    history = any(
-        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
-        for m in body.get("messages") or ()
-    )
-    if not tools and not history:
+    if not tools and not has_tool_history(body.get("messages") or ()):
         return None
     try:
         source = template_source(tokenizer.chat_template, tools or None)
@@ -105,58 +91,7 @@ def render_messages(
     """The messages and extra template arguments that present ``tools`` to the template."""
     if tools is None:
         return chat, {}
-    if tools.native:
-        extra = {"tools": tools.tools} if tools.tools else {}
-        return [_with_argument_objects(m) for m in chat], extra
-    out: list[dict[str, Any]] = []
-    for m in chat:
-        if m["role"] == "tool":
-            text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-            if out and out[-1].get("_tool_turn"):
-                out[-1]["content"] += "\n" + text
-            else:
-                out.append({"role": "user", "content": text, "_tool_turn": True})
-            continue
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [
-                "<tool_call>\n"
-                + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)})
-                + "\n</tool_call>"
-                for c in m["tool_calls"]
-            ]
-            text = "\n".join([m["content"], *calls] if m.get("content") else calls)
-            m = {"role": "assistant", "content": text}
-        out.append(m)
-    out = [{k: v for k, v in m.items() if k != "_tool_turn"} for m in out]
-    if tools.tools:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools.tools)
-        block = _HERMES_SYSTEM.format(tools=listing)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{block}".lstrip()}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out, {}
-
-
-def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
-    # Templates write the arguments with tojson: they expect an object, not OpenAI's string.
-    if not message.get("tool_calls"):
-        return message
-    calls = [
-        {**c, "function": {**c["function"], "arguments": _arguments(c)}}
-        for c in message["tool_calls"]
-    ]
-    return {**message, "tool_calls": calls}
-
-
-def _arguments(call: dict[str, Any]) -> Any:
-    args = call["function"].get("arguments")
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args
-    return args if args is not None else {}
+    return present_tools(chat, tools.tools, tools.native)
 
 
 def check_tool_history(message: dict[str, Any], where: str) -> None:

@@ -10,22 +10,29 @@ share one OpenMP thread team. Each thread that runs a parallel torch op gets a t
 and libgomp counts the workers of all of them: once they outnumber the cores it stops spinning
 between parallel regions, and every op then waits for sleeping workers to wake. A model loaded
 on another thread (``asyncio.to_thread``) made prefill steps 1.5-2x slower on 2 cores.
+
+The same team suffers when other work takes a core: each parallel region ends at a barrier
+that waits for the worker the OS has not scheduled, so a step on 2 threads of 2 busy cores
+ran many times slower than on 1. :meth:`AsyncEngine.lend_cores` steps on one thread while
+the API process does heavy work of its own (reading and checking a huge request body).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.model_runner import ModelRunner
 from edgeinfer.daemon.engine.outputs import RequestOutput
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 
@@ -54,6 +61,7 @@ class AsyncEngine:
         # Called in the engine thread after a step that changed the prefix cache, with the
         # block manager's changes (see BlockManager.take_changes): the daemon's kv_events.
         self.on_kv_events: Callable[[dict[bytes, bool]], None] | None = None
+        self._lent = 0  # lend_cores blocks running now (changed on the event loop only)
 
     # ---- lifecycle ------------------------------------------------------------------
     @classmethod
@@ -123,6 +131,17 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @contextlib.contextmanager
+    def lend_cores(self) -> Iterator[None]:
+        """Steps that start while the block runs use one torch thread (a CPU engine in this
+        process; others are unaffected): the block's own CPU work then delays no step's
+        thread team. Blocks may nest and overlap; the last one to end restores the threads."""
+        self._lent += 1
+        try:
+            yield
+        finally:
+            self._lent -= 1
 
     # ---- commands -------------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -214,6 +233,8 @@ class AsyncEngine:
 
     def _step(self) -> None:
         e = self.engine
+        if isinstance(e.runner, ModelRunner):
+            e.runner.thread_cap = 1 if self._lent else None
         prompt, generated, start = (
             e.prompt_tokens_computed,
             e.generation_tokens,

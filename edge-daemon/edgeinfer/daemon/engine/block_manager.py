@@ -24,6 +24,8 @@ from edgeinfer.shared.block_keys import block_hash, salt_key
 
 __all__ = ["Block", "BlockManager", "block_hash", "salt_key"]
 
+_NEVER = 1 << 62  # a registration watermark no sequence reaches
+
 
 @dataclass
 class Block:
@@ -165,6 +167,11 @@ class BlockManager:
             won = self._hash_to_block.setdefault(hashes[i], block.block_id) == block.block_id
             if won and self._changes is not None:
                 self._changes[hashes[i]] = True
+
+    def keep_private(self, seq: Sequence) -> None:
+        """Never register ``seq``'s blocks while it holds them: their content came from a peer
+        this cache does not trust (a recomputation after a preemption starts afresh)."""
+        self._registered[id(seq)] = _NEVER
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so the shared head of a prefix outlives it."""

@@ -15,6 +15,7 @@ import torch
 from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
+    from edgeinfer.daemon.engine.batch_builder import StepInputs
     from edgeinfer.daemon.engine.model_runner import ModelRunner
 
 
@@ -79,15 +80,16 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.buckets[-1]
 
-    def run(self, inputs: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, step: StepInputs) -> torch.Tensor:
         """Replay the bucket fitting this decode batch; returns logits ``[B, vocab]``."""
+        meta = step.meta
         n = meta.num_decode_tokens
         bs = next(b for b in self.buckets if b >= n)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if tables is None or lens is None:
             raise RuntimeError("a decode batch without block tables")
-        self.input_ids[:n].copy_(inputs["input_ids"])
-        self.positions[:n].copy_(inputs["positions"])
+        self.input_ids[:n].copy_(step.input_ids)
+        self.positions[:n].copy_(step.positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.slot_mapping[n:bs].fill_(self.runner.kv_cache.scratch_slot)
         self.block_tables[:n, : tables.shape[1]].copy_(tables)

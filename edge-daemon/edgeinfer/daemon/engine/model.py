@@ -15,21 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
-from edgeinfer.daemon.engine.cpu_attention import prefill_in_place
+from edgeinfer.daemon.engine.attention_backend import AttentionBackend
+from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata
 from edgeinfer.daemon.engine.kv_cache import KVCache
 from edgeinfer.daemon.engine.linear import Linear, can_pack, linear, pack
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding, Rotation
 from edgeinfer.kernels import decoder_pointwise, skinny_gemm
-from edgeinfer.kernels.paged_attention import decode_attention, paged_prefill_attention_ref
-from edgeinfer.kernels.paged_attention_cpu import (
-    paged_decode_attention_cpu,
-    paged_prefill_attention_cpu,
-    prefill_attention_cpu,
-)
-from edgeinfer.kernels.paged_attention_native import paged_prefill_attention_native
-from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba
 from edgeinfer.kernels.skinny_gemm import SkinnyWeight
 
 
@@ -130,6 +122,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
+        # Set at load for the device and cache (CausalLM.use_attention); portable until then.
+        self.backend = AttentionBackend()
 
     def forward(
         self,
@@ -156,57 +150,14 @@ class Attention(nn.Module):
 
         out = q.new_empty(t, h, d)
         nd = meta.num_decode_tokens
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        if nd and tables is not None and lens is not None:
-            prepared = meta.native_decode(h, k_cache) if meta.decode_in_place else None
-            if prepared is not None:
-                prepared(q[:nd], k_cache, v_cache, self.scale, out[:nd])
-            elif meta.decode_in_place:  # the compiled kernel did not build: numba's
-                paged_decode_attention_numba(
-                    q[:nd], k_cache, v_cache, tables, lens, self.scale, out[:nd]
-                )
-            elif meta.decode_plan is not None:
-                paged_decode_attention_cpu(
-                    q[:nd], k_cache, v_cache, tables, lens, self.scale, meta.decode_plan, out[:nd]
-                )
-            else:
-                out[:nd] = decode_attention(q[:nd], k_cache, v_cache, tables, lens, self.scale)
+        if nd:
+            self.backend.decode(q[:nd], k_cache, v_cache, meta, self.scale, out[:nd])
         for seg in meta.prefills:
             s, e = seg.start, seg.start + seg.length
-            if q.device.type == "cpu" and prefill_in_place(q[s:e], k_cache):
-                paged_prefill_attention_native(
-                    q[s:e], k_cache, v_cache, seg.block_table, seg.start_pos, self.scale, out[s:e]
-                )
-            else:
-                out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], seg, k_cache, v_cache)
+            self.backend.prefill(
+                q[s:e], k[s:e], v[s:e], seg, k_cache, v_cache, self.scale, out[s:e]
+            )
         return self.o_proj.forward(out.view(t, -1))
-
-    def _prefill(
-        self,
-        q: torch.Tensor,  # [T, H, D], one sequence's chunk
-        k: torch.Tensor,  # [T, Hkv, D], the chunk's own keys (also cached by now)
-        v: torch.Tensor,
-        seg: PrefillSegment,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """Causal attention of a chunk over its cached prefix and itself; ``[T, H, D]``."""
-        cpu = q.device.type == "cpu"
-        if seg.start_pos:
-            paged = paged_prefill_attention_cpu if cpu else paged_prefill_attention_ref
-            return paged(q, k_cache, v_cache, seg.block_table, seg.start_pos, self.scale)
-        if cpu:
-            return prefill_attention_cpu(q, k, v, self.scale)
-        # Nothing cached before the chunk: attend to its own K/V without a gather.
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return o.transpose(0, 1)
 
 
 class MLP(nn.Module):
@@ -281,6 +232,13 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_attention(self, backend: AttentionBackend) -> None:
+        """Have every decoder layer this model holds attend with ``backend`` (chosen once,
+        at load, for the device and KV cache: see :func:`attention_backend`)."""
+        for layer in self.model.layers:
+            if isinstance(layer, DecoderLayer):
+                layer.self_attn.backend = backend
 
     def fuse_projections(self) -> None:
         """Fuse the projections of every decoder layer this model holds; call once the

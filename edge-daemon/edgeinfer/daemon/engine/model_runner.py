@@ -1,23 +1,23 @@
 """All device code in one place: builds the model, owns the KV cache, runs a step.
 
-The runner turns a :class:`ScheduledBatch` into flat input tensors (decode tokens first, then
-prefill chunks), runs the model and returns the logits of the sequences that sample this
-step. On CUDA, pure-decode steps replay captured CUDA graphs (see :mod:`cuda_graphs`).
+The runner turns a :class:`ScheduledBatch` into flat input tensors (:mod:`batch_builder`),
+runs the model, whose layers attend with the backend chosen here at load
+(:mod:`attention_backend`), and returns the logits of the sequences that sample this step.
+On CUDA, pure-decode steps replay captured CUDA graphs (see :mod:`cuda_graphs`).
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
 from pathlib import Path
 
 import torch
 
-from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
+from edgeinfer.daemon.engine.attention_backend import attention_backend
+from edgeinfer.daemon.engine.batch_builder import BatchBuilder
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
-from edgeinfer.daemon.engine.cpu_attention import decode_in_place
 from edgeinfer.daemon.engine.kernel_trials import Sizes, choose_kernels
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.linear import linear
@@ -26,7 +26,6 @@ from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding
 from edgeinfer.daemon.engine.scheduler import ScheduledBatch
 from edgeinfer.daemon.engine.sequence import Sequence
-from edgeinfer.kernels.paged_attention_cpu import int_tensor, plan_decode_cpu
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +68,8 @@ class ModelRunner:
         # torch intra-op threads per step kind (CPU): (decode-only steps, steps with prefill).
         every = cfg.num_threads or torch.get_num_threads()
         self._threads = (cfg.decode_threads or every, every)
+        # The most threads a step may use for now (None: no cap); AsyncEngine.lend_cores.
+        self.thread_cap: int | None = None
         self.model = self._load(model_cfg, model_dir, cfg)
         self.layout = KVLayout(
             num_layers=model_cfg.num_layers,
@@ -84,6 +85,9 @@ class ModelRunner:
             2 * cfg.max_num_seqs * -(-cfg.resolve_max_model_len(model_cfg) // cfg.block_size),
         )
         self.kv_cache = KVCache(self.layout, num_blocks, self.device)
+        attention = attention_backend(self.device, self.layout)
+        self.model.use_attention(attention)
+        self.batches = BatchBuilder(cfg.block_size, attention, self.device)
         self.graphs = None
         # Per-layer decoding swaps parameter storage in hooks, which a captured graph cannot see.
         eager = cfg.enforce_eager or cfg.compressed_weights == "per_layer"
@@ -132,106 +136,29 @@ class ModelRunner:
         """Nothing to check: a single-process runner has no worker that could die."""
 
     # ---- one step -------------------------------------------------------------------
-    def prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, list[Sequence], int]:
-        """Flatten a batch into model inputs; returns inputs, metadata and sampling sequences."""
-        bs = self.block_size
-        # Shortest context first: the CPU decode kernel attends runs of similar lengths.
-        decodes = sorted(
-            ((s, n) for s, n in batch.entries if n == 1), key=lambda e: e[0].num_computed_tokens
-        )
-        prefills = [(s, n) for s, n in batch.entries if n != 1]
-        # array, not list: int_tensor wraps them without torch.tensor's per-element checks.
-        ids, pos, slots, logit_rows = array("q"), array("q"), array("q"), array("q")
-        samplers: list[Sequence] = []
-        first_row: dict[int, int] = {}  # id(seq) -> its first token's row this step
-
-        def add(seq: Sequence, n: int) -> None:
-            start = seq.num_computed_tokens
-            first_row[id(seq)] = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
-            table = seq.block_table
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if start + n == seq.num_tokens:
-                logit_rows.append(len(ids) - 1)
-                samplers.append(seq)
-
-        for seq, n in decodes:
-            add(seq, n)
-        segments: list[PrefillSegment] = []
-        for seq, n in prefills:
-            start = len(ids)
-            add(seq, n)
-            num_blocks = (seq.num_computed_tokens + n + bs - 1) // bs
-            table = int_tensor(array("i", seq.block_table[:num_blocks]), torch.int32)
-            segments.append(
-                PrefillSegment(
-                    start=start,
-                    length=n,
-                    start_pos=seq.num_computed_tokens,
-                    block_table=table.to(self.device),
-                )
-            )
-        # Prompt-logprob rows follow the samplers' rows, in ``batch.entries`` order (the engine
-        # reads them back in that order with the same ``prompt_logprob_positions``).
-        for seq, n in batch.entries:
-            span = seq.prompt_logprob_positions(n)
-            row = first_row[id(seq)] - seq.num_computed_tokens
-            logit_rows.extend(range(row + span.start, row + span.stop))
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=int_tensor(slots, torch.long).to(dev),
-            num_decode_tokens=len(decodes),
-            prefills=segments,
-        )
-        if decodes:
-            width = max(len(s.block_table) for s, _ in decodes)
-            tables = array("i")
-            for s, _ in decodes:
-                tables.extend(s.block_table)
-                tables.extend([0] * (width - len(s.block_table)))
-            lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-            meta.decode_block_tables = int_tensor(tables, torch.int32).view(-1, width).to(dev)
-            meta.decode_context_lens = int_tensor(array("i", lens), torch.int32).to(dev)
-            lay = self.layout
-            kv_values = 2 * lay.num_kv_heads * lay.head_dim  # per cached token, every KV head
-            if dev.type == "cpu" and decode_in_place(lay.dtype, kv_values, len(decodes)):
-                meta.decode_in_place = True
-            elif dev.type == "cpu":
-                seq_tables = [s.block_table for s, _ in decodes]
-                key_bytes = kv_values * lay.dtype.itemsize
-                meta.decode_plan = plan_decode_cpu(seq_tables, lens, bs, key_bytes)
-        inputs = {
-            "input_ids": int_tensor(ids, torch.long).to(dev),
-            "positions": int_tensor(pos, torch.long).to(dev),
-            "logits_indices": int_tensor(logit_rows, torch.long).to(dev),
-        }
-        return inputs, meta, samplers, max(pos, default=0)
-
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the model on a batch; returns float32 logits ``[N + P, vocab]``: ``N`` samplers'
         rows, then ``P`` rows of the prompt positions whose logprobs were asked for."""
-        inputs, meta, samplers, max_pos = self.prepare(batch)
+        step = self.batches.build(batch)
+        meta, samplers = step.meta, step.samplers
         if self.device.type == "cpu":
-            threads = self._threads[bool(meta.prefills)]
+            threads = min(self._threads[bool(meta.prefills)], self.thread_cap or 1 << 16)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         # Only partial prefill chunks asking no prompt logprobs have no rows: then the LM head
         # is skipped entirely. Graphs compute the samplers' rows only.
-        graphed = len(inputs["logits_indices"]) == len(samplers) and not meta.prefills
+        graphed = len(step.logits_indices) == len(samplers) and not meta.prefills
         if self.graphs is not None and graphed and self.graphs.can_run(len(samplers)):
-            logits = self.graphs.run(inputs, meta)
+            logits = self.graphs.run(step)
         else:
             logits = self.model(
-                inputs["input_ids"],
-                inputs["positions"],
+                step.input_ids,
+                step.positions,
                 meta,
                 self.kv_cache,
-                inputs["logits_indices"],
-                max_pos,
+                step.logits_indices,
+                step.max_position,
             )
         return logits, samplers
 
@@ -239,7 +166,7 @@ class ModelRunner:
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits ``[T, vocab]`` for every position of ``seq`` (blocks already allocated)."""
         batch = ScheduledBatch(entries=[(seq, seq.num_tokens)])
-        inputs, meta, _, max_pos = self.prepare(batch)
+        step = self.batches.build(batch)
         return self.model(
-            inputs["input_ids"], inputs["positions"], meta, self.kv_cache, None, max_pos
+            step.input_ids, step.positions, step.meta, self.kv_cache, None, step.max_position
         )

@@ -2,12 +2,16 @@
 
 A request split across two engines: the prefill side exports the KV blocks it computed and
 holds them until ``release``; the decode side reserves blocks (reusing its own prefix cache),
-imports the arriving pages and commits the first token. Kept apart from the step loop because
+imports the arriving pages and commits the first token. Pages may also move the other way
+(``kv_pull``): the decode side exports the leading blocks its cache held at the reservation
+(pinned by its reserved request until commit or abort), and the prefill side reserves blocks
+for them (``reserve_pull``), imports them and starts computing after them (``start_pulled``). Kept apart from the step loop because
 only the KV transfer plane calls them; they use the engine's parts, named in :class:`_Engine`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
@@ -68,13 +72,20 @@ class StageSplit:
         layers: range | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of logical blocks ``[start_block, end_block)`` per layer: ``[(k, v)]``, each
-        ``[n, block_size, num_kv_heads, head_dim]``. Only complete blocks may be read."""
-        seq = self._held(request_id, SequenceStatus.RUNNING, SequenceStatus.PREFILLED)
-        ready = (
-            len(seq.block_table)
-            if seq.status is SequenceStatus.PREFILLED
-            else seq.num_computed_tokens // self.config.block_size
+        ``[n, block_size, num_kv_heads, head_dim]``. Only complete blocks may be read: those
+        computed, or, on the decode side of a remote prefill, those its cache held."""
+        seq = self._held(
+            request_id,
+            SequenceStatus.RUNNING,
+            SequenceStatus.PREFILLED,
+            SequenceStatus.REMOTE_PENDING,
         )
+        if seq.status is SequenceStatus.PREFILLED:
+            ready = len(seq.block_table)
+        elif seq.status is SequenceStatus.REMOTE_PENDING:
+            ready = seq.num_held_tokens // self.config.block_size
+        else:
+            ready = seq.num_computed_tokens // self.config.block_size
         if not 0 <= start_block <= end_block <= ready:
             raise EngineError(
                 f"blocks [{start_block}, {end_block}) of {request_id!r} are not ready"
@@ -87,6 +98,55 @@ class StageSplit:
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
         del self._requests[request_id]
+
+    def reserve_pull(
+        self: _Engine,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None,
+        offered_blocks: int,
+        worth_pulling: Callable[[int], bool],
+    ) -> range:
+        """Prefill side: reserve a prefill-only request's blocks up to the ``offered_blocks``
+        leading blocks its peer holds, when ``worth_pulling(blocks beyond this cache's hit)``.
+        Returns the logical blocks to receive (``import_kv``, then ``start_pulled``); empty:
+        nothing reserved, add the request as usual. One token always stays to compute (it
+        yields the first token's logits), as for a prefix-cache hit."""
+        req = self._new_request(request_id, prompt_token_ids, params, True, cache_salt)
+        seq = req.seq
+        bm = self.block_manager
+        cached = bm.match_prefix(seq, max_tokens=seq.max_prefix_hit_tokens)
+        end = min(offered_blocks, seq.max_prefix_hit_tokens // bm.block_size)
+        own = len(cached)
+        if (
+            end <= own
+            or not bm.can_allocate(seq, end * bm.block_size, cached)
+            or not worth_pulling(end - own)
+        ):
+            bm.forget(seq)
+            return range(0)
+        bm.record_prefix_query(bm.blocks_for(seq.num_tokens - 1))  # as at an admission
+        bm.allocate(seq, end * bm.block_size, cached)
+        seq.num_held_tokens = own * bm.block_size
+        seq.status = SequenceStatus.REMOTE_PENDING
+        self._requests[request_id] = req
+        return range(own, end)
+
+    def start_pulled(self: _Engine, request_id: str, *, cacheable: bool) -> None:
+        """The pulled pages are in place: compute the rest of the prompt after them.
+        ``cacheable``: they came from a trusted peer and may join this prefix cache; if not,
+        neither they nor any block computed after them (it attended to them) ever does."""
+        seq = self._held(request_id, SequenceStatus.REMOTE_PENDING)
+        seq.num_computed_tokens = len(seq.block_table) * self.config.block_size
+        # Not computed here: the first token's num_computed must not count them.
+        seq.num_cached_tokens = seq.num_computed_tokens
+        if cacheable:
+            self.block_manager.cache_full_blocks(seq)
+        else:
+            self.block_manager.keep_private(seq)
+        self.scheduler.add_running(seq)
 
     # ---- disaggregation: decode side --------------------------------------------------
     def reserve_remote(

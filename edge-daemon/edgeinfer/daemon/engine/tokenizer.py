@@ -112,6 +112,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def spec(self) -> dict[str, Any]:
+        """The tokenizer as its ``tokenizer.json`` describes it (model, normalizer, ...)."""
+        spec: dict[str, Any] = json.loads(self._tok.to_str())
+        return spec
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -17,10 +17,12 @@ from edgeinfer.daemon.kv_transfer.errors import (
 )
 from edgeinfer.daemon.kv_transfer.messages import (
     DTYPE_ITEMSIZE,
+    PROTOCOL_VERSION,
     Abort,
     ErrorReply,
     FirstToken,
     KVChunk,
+    KVPull,
     Message,
     Ping,
     Pong,
@@ -29,7 +31,6 @@ from edgeinfer.daemon.kv_transfer.messages import (
 )
 from edgeinfer.daemon.kv_transfer.wire import (
     DEFAULT_LIMITS,
-    PROTOCOL_VERSION,
     WireLimits,
     decode,
     encode,
@@ -47,6 +48,7 @@ __all__ = [
     "ErrorReply",
     "FirstToken",
     "KVChunk",
+    "KVPull",
     "KVTransferError",
     "MalformedError",
     "Message",

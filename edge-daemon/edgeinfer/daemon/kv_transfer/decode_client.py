@@ -6,6 +6,11 @@ into the cache while later chunks are still on the wire, checks that every block
 arrived, and commits the first token so the engine starts decoding. Any failure sends an
 ``abort`` to the peer, frees the reserved blocks and raises :class:`PrefillFailed`; the caller
 then retries on another peer or prefills locally.
+
+Towards a prefill daemon that supports ``kv_pull`` it offers the blocks its cache held
+(``offers_pages``): they stay pinned by the reserved request until commit or abort, and each is
+sent at most once when the prefill side asks for it (``kv_pull``, answered with ``kv``
+messages, or an ``error`` when the ask is not for offered blocks).
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import torch
 import zmq.asyncio
+from msgspec import UNSET
 
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.errors import EngineError, InvalidRequestError
@@ -26,15 +31,22 @@ from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.outputs import RequestOutput, TokenLogprob
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.kv_transfer.messages import (
+    FEATURE_KV_PULL,
     Abort,
     ErrorReply,
     FirstToken,
     KVChunk,
+    KVPull,
     PrefillRequest,
-    WireLayout,
+)
+from edgeinfer.daemon.kv_transfer.page_chunks import (
+    ChunkRejected,
+    check_chunk,
+    chunk_importer,
+    page_chunks,
 )
 from edgeinfer.daemon.kv_transfer.stats import TransferStats
-from edgeinfer.daemon.kv_transfer.tensor_codec import page_shape, payload_tensor, wire_layout
+from edgeinfer.daemon.kv_transfer.tensor_codec import wire_layout
 from edgeinfer.daemon.kv_transfer.transport import (
     ClientCurve,
     Inbox,
@@ -46,6 +58,17 @@ from edgeinfer.daemon.kv_transfer.wire import DEFAULT_LIMITS, WireLimits
 __all__ = ["ClientCurve", "PrefillFailed", "RemotePrefillClient"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Exchange:
+    """One request's state on this side."""
+
+    offered: int = 0  # leading blocks offered to kv_pull (0: none)
+    served: set[int] = dataclasses.field(default_factory=set)  # offered blocks already sent
+    next_seq: int = 1  # outgoing: the prefill_req was 0
+    received: int = 0  # messages accepted from the peer (kv_pull and kv)
+    imports: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
 
 class RemotePrefillClient:
@@ -60,6 +83,7 @@ class RemotePrefillClient:
         stats: TransferStats | None = None,
         timeout_s: float = 10.0,
         limits: WireLimits = DEFAULT_LIMITS,
+        chunk_bytes: int = 4 << 20,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -70,6 +94,7 @@ class RemotePrefillClient:
         self.stats = stats if stats is not None else TransferStats()
         self._timeout_s = timeout_s
         self._limits = limits
+        self._chunk_bytes = chunk_bytes
         self._layout = wire_layout(engine.engine.kv_layout)
         self._peers: dict[str, PeerConnection] = {}
 
@@ -108,16 +133,16 @@ class RemotePrefillClient:
         self.stats.transfers_started += 1
         started = time.monotonic()
         inbox = peer.open(rid)
-        imports: list[asyncio.Task[None]] = []
+        exchange = _Exchange()
         try:
             out = await self._transfer(
-                peer, inbox, imports, rid, prompt, params, cached, cache_salt
+                peer, inbox, exchange, rid, prompt, params, cached, cache_salt
             )
         except BaseException as e:  # cancellation included: the blocks must be freed
             failure = _as_failure(e)
             reason = failure.reason if failure is not None else "cancelled"
             self.stats.record_failure(reason)
-            await self._abandon(peer, rid, imports, reason)
+            await self._abandon(peer, rid, exchange, reason)
             if failure is None or failure is e:
                 raise
             raise failure from e
@@ -125,6 +150,16 @@ class RemotePrefillClient:
             peer.finish(rid)
         self.stats.record_ok(time.monotonic() - started)
         return out
+
+    def connect(self, endpoint: str) -> None:
+        """Open the connection to ``endpoint`` ahead of its first request, so that its pong
+        (what it supports) is in by then. Raises ``zmq.ZMQError`` for a bad endpoint."""
+        self._peer(endpoint)
+
+    def peer_features(self, endpoint: str) -> frozenset[str] | None:
+        """What the prefill daemon at ``endpoint`` said it supports; None before its pong."""
+        peer = self._peers.get(endpoint)
+        return peer.features if peer is not None else None
 
     async def close(self) -> None:
         peers, self._peers = list(self._peers.values()), {}
@@ -144,7 +179,7 @@ class RemotePrefillClient:
         self,
         peer: PeerConnection,
         inbox: Inbox,
-        imports: list[asyncio.Task[None]],
+        exchange: _Exchange,
         rid: str,
         prompt: list[int],
         params: SamplingParams,
@@ -159,10 +194,21 @@ class RemotePrefillClient:
         sampling = dataclasses.asdict(params)
         # The wire's maps are str -> scalar: logit_bias travels as OpenAI writes it.
         sampling["logit_bias"] = {str(t): b for t, b in params.logit_bias}
+        # Only towards a peer that said it pulls: an older one refuses the field.
+        exchange.offered = held if held and peer.supports(FEATURE_KV_PULL) else 0
         await peer.send(
-            PrefillRequest(rid, 0, tuple(prompt), sampling, tuple(range(held)), layout, cache_salt)
+            PrefillRequest(
+                rid,
+                0,
+                tuple(prompt),
+                sampling,
+                tuple(range(held)),
+                layout,
+                cache_salt if cache_salt is not None else UNSET,
+                offers_pages=exchange.offered > 0,
+            )
         )
-        num_chunks = 0
+        imports = exchange.imports
         while True:
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
@@ -174,19 +220,24 @@ class RemotePrefillClient:
             if isinstance(msg, PrefillFailed):
                 raise msg
             if isinstance(msg, KVChunk):
-                start = _check_chunk(msg, layout, missing)
-                tensors = [
-                    payload_tensor(buf, msg.dtype, shape)
-                    for buf, shape in zip(msg.payloads, msg.shapes)
-                ]
+                try:
+                    start = check_chunk(msg, layout, missing)
+                except ChunkRejected as e:
+                    raise PrefillFailed("bad_chunk", str(e)) from None
                 # Not awaited: imports queue up in the engine thread (in order) while the next
                 # chunk is received, instead of each waiting for a decode step boundary.
-                job = _importer(rid, start, msg.layers[0], tensors)
-                imports.append(asyncio.create_task(self._engine.call(job)))
-                num_chunks += 1
+                imports.append(
+                    asyncio.create_task(self._engine.call(chunk_importer(rid, msg, start)))
+                )
+                exchange.received += 1
+            elif isinstance(msg, KVPull):
+                exchange.received += 1
+                await self._serve_pull(peer, rid, msg, exchange)
             elif isinstance(msg, FirstToken):
-                if msg.seq != num_chunks or any(missing):
-                    raise PrefillFailed("incomplete_kv", f"first token after {num_chunks} chunks")
+                if msg.seq != exchange.received or any(missing):
+                    raise PrefillFailed(
+                        "incomplete_kv", f"first token after {exchange.received} messages"
+                    )
                 try:
                     await asyncio.gather(*imports)
                 except EngineError as e:
@@ -197,46 +248,49 @@ class RemotePrefillClient:
             else:
                 self.stats.record_drop("unexpected_kind")
 
-    async def _abandon(
-        self, peer: PeerConnection, rid: str, imports: list[asyncio.Task[None]], reason: str
+    async def _serve_pull(
+        self, peer: PeerConnection, rid: str, msg: KVPull, exchange: _Exchange
     ) -> None:
+        """Send the asked pages; refuse (``error``) an ask beyond the offer or repeated, so a
+        peer cannot make this side read or send a block twice."""
+        blocks = msg.blocks
+        start, stop = blocks[0], blocks[-1] + 1
+        refusal = None
+        if list(blocks) != list(range(start, stop)) or stop > exchange.offered:
+            refusal = (
+                f"blocks {start}..{stop - 1} are not one run of the {exchange.offered} offered"
+            )
+        elif exchange.served.intersection(blocks):
+            refusal = "blocks asked twice"
+        else:
+            exchange.served.update(blocks)
+            try:
+                pages = await self._engine.call(lambda e: e.export_kv(rid, start, stop))
+            except EngineError as e:
+                refusal = str(e)
+        if refusal is not None:
+            self.stats.record_drop("bad_pull")
+            await peer.send(ErrorReply(rid, exchange.next_seq, "pull_refused", refusal))
+            exchange.next_seq += 1
+            return
+        for chunk in page_chunks(
+            rid, exchange.next_seq, start, pages, self._layout, self._chunk_bytes
+        ):
+            await peer.send(chunk)
+            exchange.next_seq += 1
+        self.stats.pulled_blocks += stop - start
+
+    async def _abandon(
+        self, peer: PeerConnection, rid: str, exchange: _Exchange, reason: str
+    ) -> None:
+        imports = exchange.imports
         for task in imports:
             task.cancel()  # queued imports not yet run are skipped by the engine thread
         await asyncio.gather(*imports, return_exceptions=True)
-        await peer.send_abort(Abort(rid, 1, reason))
+        await peer.send_abort(Abort(rid, exchange.next_seq, reason))
         with contextlib.suppress(EngineError):  # a dead engine has no blocks to leak
             # Shielded: a second cancellation must not leave the reserved blocks allocated.
             await asyncio.shield(self._engine.call(lambda e: e.abort_request(rid)))
-
-
-def _check_chunk(msg: KVChunk, layout: WireLayout, missing: list[set[int]]) -> int:
-    """Validate a chunk against what this request still needs; return its first block."""
-    start, stop = msg.layers
-    blocks = msg.blocks
-    if msg.dtype != layout.dtype or stop > layout.num_layers or not blocks:
-        raise PrefillFailed("bad_chunk", f"dtype {msg.dtype}, layers {msg.layers}")
-    if list(blocks) != list(range(blocks[0], blocks[0] + len(blocks))):
-        raise PrefillFailed("bad_chunk", "blocks are not one ascending run")
-    want = page_shape(layout, len(blocks))
-    # Two payloads (K then V) per layer, each [n, block_size, Hkv, D].
-    if len(msg.shapes) != 2 * (stop - start) or any(s != want for s in msg.shapes):
-        raise PrefillFailed("bad_chunk", f"shapes {msg.shapes[:2]} for {want}")
-    needed = set(blocks)
-    for layer in range(start, stop):
-        if not needed <= missing[layer]:
-            raise PrefillFailed("bad_chunk", f"layer {layer} blocks not owed (or sent twice)")
-        missing[layer] -= needed
-    return blocks[0]
-
-
-def _importer(
-    rid: str, start_block: int, first_layer: int, tensors: list[torch.Tensor]
-) -> Callable[[LLMEngine], None]:
-    def run(engine: LLMEngine) -> None:
-        for i in range(0, len(tensors), 2):
-            engine.import_kv(rid, start_block, first_layer + i // 2, tensors[i], tensors[i + 1])
-
-    return run
 
 
 def _as_failure(exc: BaseException) -> PrefillFailed | None:

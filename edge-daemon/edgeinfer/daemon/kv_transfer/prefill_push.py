@@ -2,29 +2,25 @@
 
 Used by :class:`~.prefill_server.PrefillServer`, one :class:`KVPusher` per transfer. Each engine
 output says how many leading blocks are complete (``kv_blocks_ready``); the newly complete ones
-are exported in one engine call (one step boundary) and sent as chunks of at most about
-``chunk_bytes``: a run of blocks times a group of layers, K and V of each layer as two payload
-frames ``[n, block_size, Hkv, D]``. Chunk ``seq`` numbers start at 0; the caller sends the first
-token with the final :attr:`KVPusher.seq`.
+are exported in one engine call (one step boundary) and sent as chunks (:mod:`.page_chunks`).
+Chunk ``seq`` numbers start where the caller says (after its ``kv_pull``, if it sent one); the
+caller sends the first token with the final :attr:`KVPusher.seq`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
-
-import torch
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.outputs import RequestOutput
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.kv_transfer.errors import KVTransferError
-from edgeinfer.daemon.kv_transfer.messages import KVChunk, Message, PrefillRequest, WireLayout
-from edgeinfer.daemon.kv_transfer.tensor_codec import page_bytes, tensor_payload
+from edgeinfer.daemon.kv_transfer.messages import Message, PrefillRequest, WireLayout
+from edgeinfer.daemon.kv_transfer.page_chunks import Pages, page_chunks
 
 SendFn = Callable[[Message], Awaitable[None]]
-Pages = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V), each [n, bs, Hkv, D]
 
 
 class PeerGone(KVTransferError):
@@ -46,21 +42,26 @@ class KVPusher:
         self._req = req
         self._layout = layout
         self._send = send
-        self._pair_bytes = 2 * page_bytes(layout)  # K + V of one block of one layer
-        self._chunk_bytes = max(chunk_bytes, 1)
+        self._chunk_bytes = chunk_bytes
         # The decode side reserves blocks for the prompt only; never send beyond them.
         self._total = -(-len(req.prompt) // layout.block_size)
         self._held = frozenset(req.held_blocks)
         self._done = 0  # blocks [0, _done) are sent or held by the peer
         self.seq = 0  # next outgoing sequence number
 
-    async def run(self, params: SamplingParams) -> RequestOutput:
-        """Prefill, pushing blocks as they complete; return the final (first-token) output."""
+    async def run(
+        self,
+        params: SamplingParams,
+        outputs: AsyncGenerator[RequestOutput, None] | None = None,
+    ) -> RequestOutput:
+        """Prefill, pushing blocks as they complete; return the final (first-token) output.
+        ``outputs``: those of a request already in the engine (its pulled pages in place);
+        None adds the request."""
         final: RequestOutput | None = None
         req = self._req
         # The decode side's salt: this cache keeps the requests of different salts apart too.
-        gen = self._engine.generate(
-            self._engine_rid, req.prompt, params, prefill_only=True, cache_salt=req.cache_salt
+        gen = outputs or self._engine.generate(
+            self._engine_rid, req.prompt, params, prefill_only=True, cache_salt=req.salt
         )
         # aclosing: if we are cancelled mid-send, the engine request is aborted right away.
         async with contextlib.aclosing(gen) as outputs:
@@ -96,24 +97,8 @@ class KVPusher:
         return lambda engine: engine.export_kv(rid, start, stop)
 
     async def _send_pages(self, start: int, stop: int, pages: Pages) -> None:
-        n = stop - start
-        num_layers = self._layout.num_layers
-        blocks_per = max(1, min(n, self._chunk_bytes // self._pair_bytes))
-        for b0 in range(0, n, blocks_per):
-            b1 = min(n, b0 + blocks_per)
-            layers_per = max(1, self._chunk_bytes // (self._pair_bytes * (b1 - b0)))
-            for l0 in range(0, num_layers, layers_per):
-                l1 = min(num_layers, l0 + layers_per)
-                # Slices along dim 0 of contiguous pages are contiguous views: no copy.
-                parts = [t[b0:b1] for layer in range(l0, l1) for t in pages[layer]]
-                chunk = KVChunk(
-                    self._req.rid,
-                    self.seq,
-                    (l0, l1),
-                    tuple(range(start + b0, start + b1)),
-                    self._layout.dtype,
-                    tuple(tuple(p.shape) for p in parts),
-                    tuple(tensor_payload(p) for p in parts),
-                )
-                await self._send(chunk)
-                self.seq += 1
+        for chunk in page_chunks(
+            self._req.rid, self.seq, start, pages, self._layout, self._chunk_bytes
+        ):
+            await self._send(chunk)
+            self.seq += 1

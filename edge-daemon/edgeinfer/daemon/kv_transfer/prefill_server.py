@@ -4,7 +4,10 @@ One ROUTER socket serves every decode peer. Each valid ``prefill_req`` becomes a
 the prompt as a prefill-only engine request and, every time a step completes more blocks,
 exports those blocks at once and sends them as ``kv`` chunks (a run of blocks x a group of
 layers each), so the wire and the decode side's import overlap the remaining prefill compute.
-Blocks the decode side already holds (``held_blocks``) are never sent. The first token goes
+Blocks the decode side already holds (``held_blocks``) are never sent. When the decode side
+offers those blocks (``offers_pages``) and they reach beyond this daemon's own prefix-cache
+hits, the extra ones may first be received from it instead of recomputed (:mod:`.prefill_pull`);
+its answers (``kv``, ``error``) from the same peer go to that transfer. The first token goes
 last, then the blocks are released. Every exit path (success, peer abort, peer gone, timeout,
 server stop) releases the request's blocks.
 
@@ -19,7 +22,9 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -28,29 +33,35 @@ from zmq.auth.thread import ThreadAuthenticator
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.errors import EngineError, InvalidRequestError
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.outputs import RequestOutput
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.kv_transfer.dedup import DuplicateFilter
 from edgeinfer.daemon.kv_transfer.errors import WireError
 from edgeinfer.daemon.kv_transfer.messages import (
+    FEATURE_KV_PULL,
     Abort,
     ErrorReply,
     FirstToken,
+    KVChunk,
     Message,
     Ping,
     Pong,
     PrefillRequest,
 )
+from edgeinfer.daemon.kv_transfer.prefill_pull import KVPuller, PullFailed, PullInbox
 from edgeinfer.daemon.kv_transfer.prefill_push import KVPusher, PeerGone
+from edgeinfer.daemon.kv_transfer.pull_price import DEFAULT_PRICES, PullPrices, measured_prices
 from edgeinfer.daemon.kv_transfer.security import configure_server, start_authenticator
 from edgeinfer.daemon.kv_transfer.stats import TransferStats
 from edgeinfer.daemon.kv_transfer.tensor_codec import layout_mismatch, wire_layout
 from edgeinfer.daemon.kv_transfer.transport import (
     ServerCurve,
+    decode_off_loop,
     encode_off_loop,
     frames_nbytes,
     tune_socket,
 )
-from edgeinfer.daemon.kv_transfer.wire import DEFAULT_LIMITS, WireLimits, decode
+from edgeinfer.daemon.kv_transfer.wire import DEFAULT_LIMITS, WireLimits
 
 __all__ = ["PrefillServer", "ServerCurve"]
 
@@ -64,6 +75,7 @@ class _Transfer:
     identity: bytes  # the ROUTER routing id of the decode peer that asked
     task: asyncio.Task[None]
     aborted: bool = False
+    pull_inbox: PullInbox | None = None  # set while pulling pages from the peer
 
 
 class PrefillServer:
@@ -81,9 +93,18 @@ class PrefillServer:
         chunk_bytes: int = 4 << 20,
         max_in_flight: int = 64,
         listen_fd: int | None = None,
+        pull: bool = True,
+        prefill_rate: Callable[[], float] | None = None,
+        pull_defaults: PullPrices = DEFAULT_PRICES,
+        pull_timeout_s: float = 2.0,
     ) -> None:
         """``listen_fd``: a TCP socket already bound and listening (the daemon binds its ports
-        at start-up) that ZeroMQ adopts instead of binding ``bind`` itself."""
+        at start-up) that ZeroMQ adopts instead of binding ``bind`` itself. ``pull``: accept
+        offered pages (:mod:`.prefill_pull`) where :mod:`.pull_price` finds it faster, with
+        ``prefill_rate`` (the daemon's measured prompt tokens/s; 0 or None: unmeasured) and the
+        link this server measured on earlier pulls, ``pull_defaults`` where unmeasured;
+        ``pull_timeout_s`` is the longest wait for the next pulled page before recomputing
+        (well under the decode side's ``timeout_s``, which runs meanwhile)."""
         self._engine = engine
         self._bind = bind
         self._listen_fd = listen_fd
@@ -104,6 +125,10 @@ class PrefillServer:
         self._auth: ThreadAuthenticator | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._draining = False
+        self._pull = pull
+        self._prefill_rate = prefill_rate
+        self._pull_defaults = pull_defaults
+        self._pull_timeout_s = pull_timeout_s
         self.endpoint = ""  # the bound address, port resolved (bind to tcp://host:* in tests)
 
     @property
@@ -159,28 +184,35 @@ class PrefillServer:
         while True:
             frames = await sock.recv_multipart(copy=False)
             try:
-                self._handle(frames)
+                await self._handle(frames)
             except Exception:  # one bad message must never stop the server
                 log.exception("KV transfer: failed to handle a message")
                 self.stats.record_drop("internal")
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    async def _handle(self, frames: list[zmq.Frame]) -> None:
         identity, body = frames[0].bytes, frames[1:]
-        self.stats.record_received(frames_nbytes(body))
+        self.stats.record_received(frames_nbytes(body), frames_nbytes(body[1:]))
         try:
-            msg = decode(body, limits=self._limits)
+            # In order: the next message is read only once this one is handled.
+            msg = await decode_off_loop(body, self._limits)
         except WireError as e:
             self.stats.record_drop(e.reason)
-            if e.rid is not None and e.rid not in self._transfers:
+            transfer = self._transfers.get(e.rid) if e.rid is not None else None
+            if transfer is None and e.rid is not None:
                 # Answer rather than let the peer wait out its timeout for nothing.
                 self._reply(identity, ErrorReply(e.rid, 0, e.reason, str(e)))
+            elif transfer is not None and transfer.identity == identity and transfer.pull_inbox:
+                transfer.pull_inbox.put_nowait(PullFailed("corrupt", str(e)))
             return
         if isinstance(msg, PrefillRequest):
             self._on_prefill(identity, msg)
+        elif isinstance(msg, KVChunk | ErrorReply):
+            self._on_pull_reply(identity, msg)
         elif isinstance(msg, Abort):
             self._on_abort(identity, msg)
         elif isinstance(msg, Ping):
-            self._reply(identity, Pong(msg.rid, msg.seq))
+            features = (FEATURE_KV_PULL,) if self._pull else ()
+            self._reply(identity, Pong(msg.rid, msg.seq, features))
         else:
             self.stats.record_drop("unexpected_kind")
 
@@ -211,8 +243,9 @@ class PrefillServer:
         mismatch = layout_mismatch(self._layout, req.layout)
         if mismatch is not None:
             return "layout_mismatch", mismatch
+        fields: dict[str, Any] = req.sampling  # checked by SamplingParams itself
         try:
-            return SamplingParams(**req.sampling)
+            return SamplingParams(**fields)
         except (TypeError, InvalidRequestError) as e:
             return "bad_params", str(e)
 
@@ -229,6 +262,19 @@ class PrefillServer:
             transfer.task.cancel()  # its finally releases the blocks (if it got any)
             self.stats.record_failure("aborted_by_peer")
 
+    def _on_pull_reply(self, identity: bytes, msg: KVChunk | ErrorReply) -> None:
+        transfer = self._transfers.get(msg.rid)
+        if transfer is None:
+            self.stats.record_drop("late" if self._dedup.is_finished(msg.rid) else "unknown_rid")
+        elif transfer.identity != identity:
+            self.stats.record_drop("foreign_reply")  # only the requesting peer holds its pages
+        elif not self._dedup.accept(msg.rid, msg.seq):
+            self.stats.record_drop("duplicate")
+        elif transfer.pull_inbox is None:
+            self.stats.record_drop("unexpected_kind")  # no pull asked, or it was given up
+        else:
+            transfer.pull_inbox.put_nowait(msg)
+
     def _finished(self, rid: str) -> None:
         self._transfers.pop(rid, None)
         self._dedup.finish(rid)
@@ -238,6 +284,19 @@ class PrefillServer:
         engine_rid = ENGINE_ID_PREFIX + req.rid
         send = functools.partial(self._send, identity)
         pusher = KVPusher(self._engine, engine_rid, req, self._layout, self._chunk_bytes, send)
+        puller = KVPuller(
+            self._engine,
+            engine_rid,
+            req,
+            self._layout,
+            send,
+            stats=self.stats,
+            prices=self._pull_prices,
+            timeout_s=self._pull_timeout_s,
+            # With CURVE every peer proved a key of the allow-list; without, anyone who reaches
+            # this port could plant pages in a cache other tenants read (any salt it names).
+            cacheable=self._curve is not None,
+        )
         self.stats.transfers_started += 1
         started = time.monotonic()
         try:
@@ -247,7 +306,10 @@ class PrefillServer:
                     # (and off the engine thread, which then finds it cached).
                     grammars = self._engine.engine.grammars
                     await asyncio.to_thread(grammars.compile, params.structured)
-                final = await pusher.run(params)
+                outputs = None
+                if self._pull and puller.offered_blocks:
+                    outputs = await self._pull_pages(req.rid, puller, pusher, params)
+                final = await pusher.run(params, outputs)
                 token = FirstToken(
                     req.rid,
                     pusher.seq,
@@ -279,6 +341,24 @@ class PrefillServer:
             self._reply(identity, ErrorReply(req.rid, pusher.seq, code, str(e)))
         finally:
             await self._free(engine_rid)
+
+    async def _pull_pages(
+        self, rid: str, puller: KVPuller, pusher: KVPusher, params: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None] | None:
+        transfer = self._transfers[rid]
+        transfer.pull_inbox = asyncio.Queue()
+        try:
+            return await puller.run(params, transfer.pull_inbox)
+        finally:
+            transfer.pull_inbox = None  # what still arrives for the pull is dropped
+            pusher.seq = puller.seq  # the kv_pull took a number in this direction
+
+    def _pull_prices(self) -> PullPrices:
+        rate = self._prefill_rate() if self._prefill_rate is not None else None
+        stats = self.stats
+        return measured_prices(
+            rate, stats.pull_link_bytes_per_s, stats.pull_rtt_s, self._pull_defaults
+        )
 
     async def _free(self, engine_rid: str) -> None:
         def drop(engine: LLMEngine) -> None:

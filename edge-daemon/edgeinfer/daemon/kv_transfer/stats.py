@@ -33,6 +33,14 @@ class TransferStats:
     latency_sum_s: float = 0.0
     latency_count: int = 0
     observe_latency: Callable[[float], None] | None = None
+    # kv_pull: blocks moved against the usual direction (prefill side: received instead of
+    # recomputed; decode side: served), and the prefill side's view of the link from its pulls
+    # (moving averages; None until the first pull).
+    pulled_blocks: int = 0
+    pulls: int = 0
+    pull_fallbacks: Counter[str] = field(default_factory=Counter)  # recomputed instead, by reason
+    pull_rtt_s: float | None = None
+    pull_link_bytes_per_s: float | None = None
 
     def record_sent(self, frame_bytes: int, kv_bytes: int = 0) -> None:
         self.bytes_sent += frame_bytes
@@ -52,6 +60,16 @@ class TransferStats:
         self.latency_count += 1
         if self.observe_latency is not None:
             self.observe_latency(latency_s)
+
+    def record_pull(self, blocks: int, nbytes: int, first_s: float, total_s: float) -> None:
+        """A completed pull: ``first_s`` until its first page (the round trip and the peer's
+        export), ``total_s`` until its last; the link rate is taken over ``total_s``, so it
+        errs slow."""
+        self.pulled_blocks += blocks
+        self.pulls += 1
+        self.pull_rtt_s = _ewma(self.pull_rtt_s, first_s)
+        if total_s > 0:
+            self.pull_link_bytes_per_s = _ewma(self.pull_link_bytes_per_s, nbytes / total_s)
 
     def record_failure(self, reason: str) -> None:
         self.failures[reason] += 1
@@ -82,4 +100,16 @@ class TransferStats:
             "dropped": dict(self.dropped),
             "latency_sum_s": self.latency_sum_s,
             "latency_count": self.latency_count,
+            "pulled_blocks": self.pulled_blocks,
+            "pulls": self.pulls,
+            "pull_fallbacks": dict(self.pull_fallbacks),
+            "pull_rtt_s": self.pull_rtt_s,
+            "pull_link_bytes_per_s": self.pull_link_bytes_per_s,
         }
+
+
+_EWMA_WEIGHT = 0.25  # of the newest sample: a few pulls follow a changed link
+
+
+def _ewma(average: float | None, sample: float) -> float:
+    return sample if average is None else average + _EWMA_WEIGHT * (sample - average)

@@ -4,6 +4,8 @@
 sent there: a receive task validates each message and routes it by ``rid`` to that request's
 inbox, and a monitor task turns a lost or refused connection into an immediate
 :class:`PrefillFailed` for the requests waiting on it, so they need not sit out their timeout.
+It also pings the endpoint whenever it (re)connects: the pong says which protocol extensions the
+prefill daemon there supports (:attr:`PeerConnection.features`), as :mod:`.wire` describes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from edgeinfer.daemon.kv_transfer.dedup import DuplicateFilter
 from edgeinfer.daemon.kv_transfer.errors import KVTransferError, WireError
-from edgeinfer.daemon.kv_transfer.messages import KVChunk, Message
+from edgeinfer.daemon.kv_transfer.messages import KVChunk, Message, Ping, Pong
 from edgeinfer.daemon.kv_transfer.security import configure_client
 from edgeinfer.daemon.kv_transfer.stats import TransferStats
 from edgeinfer.daemon.kv_transfer.wire import WireLimits, decode, encode, limit_socket
@@ -101,7 +103,7 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
 
 
 async def encode_off_loop(msg: Message) -> list[bytes | memoryview]:
-    if isinstance(msg, KVChunk) and sum(p.nbytes for p in msg.payloads) >= OFFLOAD_BYTES:
+    if isinstance(msg, KVChunk) and sum(p.nbytes for p in msg.frames) >= OFFLOAD_BYTES:
         return await asyncio.to_thread(encode, msg)
     return encode(msg)
 
@@ -145,7 +147,15 @@ class PeerConnection:
             raise
         self._inboxes: dict[str, Inbox] = {}
         self._dedup = DuplicateFilter()
+        # Extensions the prefill daemon there supports; None until its pong (treated as none).
+        self.features: frozenset[str] | None = None
+        self._pings = 0
+        self._probes: set[asyncio.Task[None]] = set()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        self._probe()
+
+    def supports(self, feature: str) -> bool:
+        return self.features is not None and feature in self.features
 
     def open(self, rid: str) -> Inbox:
         inbox: Inbox = asyncio.Queue()
@@ -158,14 +168,31 @@ class PeerConnection:
         self._dedup.finish(rid)
 
     async def send(self, msg: Message) -> None:
-        frames = encode(msg)
+        frames = await encode_off_loop(msg)
         await self._sock.send_multipart(frames, copy=False)
-        self._stats.record_sent(frames_nbytes(frames))
+        self._stats.record_sent(frames_nbytes(frames), frames_nbytes(frames[1:]))
+
+    def _probe(self) -> None:
+        """Queue a ping (delivered once connected); its pong sets :attr:`features`."""
+        self.features = None
+        self._pings += 1
+        ping = Ping("", self._pings)
+
+        async def send() -> None:
+            # A queue full for a second: the next reconnect asks again.
+            with contextlib.suppress(zmq.ZMQError, TimeoutError):
+                async with asyncio.timeout(1.0):  # not wait_for: see decode_client
+                    await self.send(ping)
+
+        task = asyncio.create_task(send())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._probes]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for rid in list(self._inboxes):
             self._fail(rid, PrefillFailed("client_closed"))
         self._close_sockets()
@@ -198,6 +225,10 @@ class PeerConnection:
             if e.rid is not None:  # a corrupt KV page: the transfer cannot complete
                 self._fail(e.rid, PrefillFailed("corrupt", str(e)))
             return
+        if isinstance(msg, Pong) and not msg.rid:
+            if msg.seq == self._pings:  # an older ping's answer may predate a reconnect
+                self.features = msg.feature_set
+            return
         inbox = self._inboxes.get(msg.rid)
         if inbox is None:
             self._stats.record_drop("late" if self._dedup.is_finished(msg.rid) else "unknown_rid")
@@ -209,6 +240,8 @@ class PeerConnection:
     async def _watch(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._probe()  # whatever answers after the reconnect may be another version
             reason = _FAIL_EVENTS.get(event["event"])
             if reason is None or not self._inboxes:
                 continue  # reconnect attempts to an idle dead peer are not news

@@ -4,7 +4,7 @@ Framing
     One message is one ZeroMQ multipart message::
 
         frame 0      crc32(H) as 4 bytes big-endian, then H = msgpack map (the header)
-        frame 1..n   raw payload bytes, only for ``kind == "kv"``
+        frame 1..n   raw payload bytes, only for ``kind == "kv"`` (either direction)
 
     Payload frames are the KV-cache buffers themselves, sent with ``copy=False`` so no
     serialisation copy is made. Send with ``send_multipart(frames, copy=False, track=True)`` and
@@ -16,8 +16,10 @@ Framing
 Header fields common to every kind
     ``v`` int protocol version (1); ``rid`` str request id (may be empty only for ping/pong);
     ``kind`` str; ``seq`` int >= 0, numbered per (rid, direction) from 0 with no gaps. Prefill
-    sends its ``kv`` messages as seq 0..n-1 and ``first_token`` last with seq n, so the decode
-    side knows it holds all KV once it has accepted every seq below the first token's.
+    sends its ``kv_pull`` (if any) and ``kv`` messages as seq 0..n-1 and ``first_token`` last
+    with seq n, so the decode side knows it holds all KV once it has accepted every seq below
+    the first token's. Decode sends ``prefill_req`` as 0, then its ``kv`` or ``error`` answers
+    to a ``kv_pull`` and its ``abort`` (if any) as 1, 2, ...
     Unknown header keys are rejected, so no peer misreads a field it does not know: changing
     a field needs a version bump. An optional field added later (``cache_salt``) is left out
     of every message that does not need it, so an older peer refuses (with an ``error``
@@ -29,8 +31,16 @@ Kinds and their extra fields
     indices the decode side already holds (prefix-cache hits), which prefill need not send;
     ``layout`` {dtype, block_size, num_layers, num_kv_heads, head_dim} of the decode side's cache;
     optional ``cache_salt`` str of 1..256 characters, the request's prefix-cache salt, which the
-    prefill side's cache applies too (absent: unsalted).
-    ``kv`` (prefill -> decode): ``layers`` [start, stop) layer range; ``blocks`` [int] logical
+    prefill side's cache applies too (absent: unsalted); optional ``offers_pages`` bool (absent:
+    false): the decode side serves ``kv_pull`` for its ``held_blocks``, which it keeps pinned
+    until the transfer ends.
+    ``kv_pull`` (prefill -> decode, only when ``offers_pages``): ``blocks`` [int] one ascending
+    run of offered block indices the prefill side wants instead of recomputing. The decode side
+    answers with ``kv`` messages (as above, numbered in its own direction after the
+    ``prefill_req``), or with an ``error`` (code ``pull_refused``) after which the prefill side
+    recomputes those blocks. A ``kv_pull`` counts in the prefill side's numbering: the
+    ``first_token`` seq is then the number of ``kv_pull`` and ``kv`` messages before it.
+    ``kv`` (prefill -> decode; decode -> prefill only to answer a ``kv_pull``): ``layers`` [start, stop) layer range; ``blocks`` [int] logical
     block indices carried; ``dtype`` one of float32 | bfloat16 | float16; ``shape`` [[int]] one
     per payload frame; ``nbytes`` [int] and ``crc`` [int] (zlib CRC-32) per payload frame. Every
     frame must satisfy len == nbytes == prod(shape) * itemsize(dtype). bfloat16 has no numpy
@@ -38,10 +48,23 @@ Kinds and their extra fields
     ``first_token`` (prefill -> decode): ``token`` int; ``logprob`` float | nil; ``top_logprobs``
     [[token, logprob]]; ``num_computed`` prompt tokens the prefill side computed (the rest came
     from its prefix cache); ``done`` bool (the request finished at its first token).
-    ``error`` (either way): ``code`` str, ``message`` str. ``abort`` (decode -> prefill):
-    ``reason`` str. ``ping`` / ``pong``: no extra field; pong echoes the ping's ``seq``.
+    ``error`` (either way; decode -> prefill only to refuse a ``kv_pull``): ``code`` str,
+    ``message`` str. ``abort`` (decode -> prefill):
+    ``reason`` str. ``ping`` / ``pong``: pong echoes the ping's ``seq``; optional ``features``
+    [str] on a pong (absent: none) lists what the answering side supports beyond the core
+    (``kv_pull``).
+
+Mixed fleets
+    Every extension is optional and negotiated, so the version stays 1: a decode daemon pings
+    each prefill endpoint when it connects (and again after a disconnect) and sets
+    ``offers_pages`` only towards one whose pong listed ``kv_pull``; until that pong arrives, and
+    towards an older prefill daemon (plain pong), it offers nothing. A prefill daemon pulls only
+    when offered and answers pings (which older decode daemons never send) with ``features``.
 
 Validation
+    The header schema is the message classes of :mod:`.messages` (msgspec Structs, tagged by
+    ``kind``, unknown fields forbidden), decoded in one msgspec call after the envelope
+    (``v``, ``rid``, ``kind``) was checked, so errors name the request where they can.
     :func:`decode` checks everything above plus :class:`WireLimits` and raises a
     :class:`~.errors.WireError` subclass with a ``reason`` code on any violation, so a receiver can
     count and drop without crashing. Set ``zmq.MAXMSGSIZE`` (:func:`limit_socket`) so libzmq drops
@@ -55,9 +78,10 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
+import msgspec
 import zmq
 from isal.isal_zlib import crc32  # zlib's CRC-32, ~6x faster (ISA-L)
+from msgspec import UNSET
 
 from edgeinfer.daemon.kv_transfer.errors import (
     BadVersionError,
@@ -68,23 +92,20 @@ from edgeinfer.daemon.kv_transfer.errors import (
     UnknownKindError,
     WireError,
 )
-from edgeinfer.daemon.kv_transfer.fields import HeaderReader
 from edgeinfer.daemon.kv_transfer.messages import (
     KINDS,
-    Abort,
-    ErrorReply,
-    FirstToken,
+    PROTOCOL_VERSION,
     KVChunk,
     Message,
     Ping,
     Pong,
-    PrefillRequest,
-    WireLayout,
     byte_view,
 )
 
-PROTOCOL_VERSION = 1
 _CRC = struct.Struct(">I")
+_MAX_RID = 256
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in KINDS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,23 +120,29 @@ class WireLimits:
 DEFAULT_LIMITS = WireLimits()
 
 
+class _Envelope(msgspec.Struct):
+    """What every header must hold, read before the kind's schema (other keys ignored)."""
+
+    v: Any = None
+    rid: Any = None
+    kind: Any = None
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+
+
 def encode(msg: Message) -> list[bytes | memoryview]:
     """Frames for ``send_multipart(..., copy=False)``; payload frames alias the source buffers."""
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "rid": msg.rid, "kind": msg.KIND}
-    header.update((f.name, getattr(msg, f.name)) for f in dataclasses.fields(msg))
-    payloads: list[memoryview] = []
+    payloads: tuple[memoryview, ...] = ()
     if isinstance(msg, KVChunk):
-        payloads = list(msg.payloads)
-        del header["payloads"], header["shapes"]
-        header["shape"] = msg.shapes
-        header["nbytes"] = [p.nbytes for p in payloads]
-        header["crc"] = [crc32(p) for p in payloads]
-    elif isinstance(msg, PrefillRequest):
-        header["layout"] = dataclasses.asdict(msg.layout)
-        header["sampling"] = dict(msg.sampling)
-        if msg.cache_salt is None:
-            del header["cache_salt"]  # an unsalted request stays readable by older peers
-    packed = msgpack.packb(header, use_bin_type=True)
+        payloads = msg.frames
+        msg = msgspec.structs.replace(
+            msg,
+            payloads=UNSET,
+            nbytes=tuple(p.nbytes for p in payloads),
+            crc=tuple(crc32(p) for p in payloads),
+        )
+    packed = _ENCODER.encode(msg)
     return [_CRC.pack(crc32(packed)) + packed, *payloads]
 
 
@@ -138,20 +165,25 @@ def decode(
         raise MalformedError("header frame too short")
     if _CRC.unpack(head[: _CRC.size])[0] != crc32(head[_CRC.size :]):
         raise ChecksumError("header")
+    header = head[_CRC.size :]
+    cls, rid = _envelope(header)
+    if not rid and cls not in (Ping, Pong):
+        raise MalformedError("empty rid")
+    payloads = views[1:]
+    if payloads and cls is not KVChunk:
+        raise SizeMismatchError(
+            f"{cls.KIND} carries no payload, got {len(payloads)} frames", rid=rid
+        )
     try:
-        header = msgpack.unpackb(head[_CRC.size :], raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise MalformedError(f"undecodable header: {e}") from None
-    reader = HeaderReader(header)
-    version = reader.uint("v")
-    if version != PROTOCOL_VERSION:
-        raise BadVersionError(f"version {version}, expected {PROTOCOL_VERSION}")
-    rid = reader.text("rid")
-    try:
-        return _decode_body(reader, rid, views[1:])
-    except WireError as e:
+        msg = _DECODERS[cls.KIND].decode(header)
+        if isinstance(msg, KVChunk):
+            _attach(msg, payloads)
+    except msgspec.DecodeError as e:  # ValidationError included: a field's type or bound
+        raise MalformedError(str(e), rid=rid or None) from None
+    except WireError as e:  # a message's own checks
         e.rid = rid or None
         raise
+    return msg
 
 
 def limit_socket(sock: zmq.Socket[Any], limits: WireLimits = DEFAULT_LIMITS) -> None:
@@ -159,78 +191,35 @@ def limit_socket(sock: zmq.Socket[Any], limits: WireLimits = DEFAULT_LIMITS) -> 
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
 
 
-def _decode_body(reader: HeaderReader, rid: str, payloads: list[memoryview]) -> Message:
-    kind = reader.text("kind")
-    cls = KINDS.get(kind)
+def _envelope(header: memoryview) -> tuple[type[Message], str]:
+    try:
+        env = _ENVELOPE.decode(header)
+    except msgspec.DecodeError as e:
+        raise MalformedError(f"undecodable header: {e}") from None
+    if env.v != PROTOCOL_VERSION:
+        if type(env.v) is not int or env.v < 0:
+            raise MalformedError("field 'v' must be a non-negative int64")
+        raise BadVersionError(f"version {env.v}, expected {PROTOCOL_VERSION}")
+    rid = env.rid
+    if not isinstance(rid, str) or len(rid) > _MAX_RID:
+        raise MalformedError(f"field 'rid' must be a string of at most {_MAX_RID} characters")
+    cls = KINDS.get(env.kind) if isinstance(env.kind, str) else None
     if cls is None:
-        raise UnknownKindError(f"kind {kind!r}")
-    if not rid and cls not in (Ping, Pong):
-        raise MalformedError("empty rid")
-    if payloads and cls is not KVChunk:
-        raise SizeMismatchError(f"{kind} carries no payload, got {len(payloads)} frames")
-    seq = reader.uint("seq")
-    msg: Message
-    if cls is KVChunk:
-        layers = reader.uint_list("layers")
-        if len(layers) != 2:
-            raise MalformedError("layers must be [start, stop]")
-        shapes = reader.list_of("shape", lambda k, v: tuple(reader.as_uint_list(k, v, 8)))
-        nbytes = reader.uint_list("nbytes")
-        crcs = reader.uint_list("crc")
-        if not len(shapes) == len(nbytes) == len(crcs) == len(payloads):
-            raise SizeMismatchError("shape/nbytes/crc/frame counts differ")
-        for i, (view, size, crc) in enumerate(zip(payloads, nbytes, crcs, strict=True)):
-            if view.nbytes != size:
-                raise SizeMismatchError(f"payload {i} has {view.nbytes} bytes, header says {size}")
-            if crc32(view) != crc:
-                raise ChecksumError(f"payload {i}")
-        msg = KVChunk(
-            rid,
-            seq,
-            (layers[0], layers[1]),
-            tuple(reader.uint_list("blocks")),
-            reader.text("dtype"),
-            tuple(shapes),
-            tuple(payloads),
-        )
-    elif cls is PrefillRequest:
-        layout = reader.submap("layout")
-        msg = PrefillRequest(
-            rid,
-            seq,
-            tuple(reader.uint_list("prompt")),
-            reader.sampling("sampling"),
-            tuple(reader.uint_list("held_blocks")),
-            WireLayout(
-                layout.text("dtype"),
-                layout.uint("block_size"),
-                layout.uint("num_layers"),
-                layout.uint("num_kv_heads"),
-                layout.uint("head_dim"),
-            ),
-            reader.opt_text("cache_salt"),
-        )
-        layout.finish()
-    elif cls is FirstToken:
-        top = reader.list_of("top_logprobs", reader.as_logprob_pair)
-        msg = FirstToken(
-            rid,
-            seq,
-            reader.uint("token"),
-            reader.opt_float("logprob"),
-            tuple(top),
-            reader.uint("num_computed"),
-            reader.flag("done"),
-        )
-    elif cls is ErrorReply:
-        msg = ErrorReply(rid, seq, reader.text("code"), reader.text("message"))
-    elif cls is Abort:
-        msg = Abort(rid, seq, reader.text("reason"))
-    elif cls is Ping:
-        msg = Ping(rid, seq)
-    elif cls is Pong:
-        msg = Pong(rid, seq)
-    else:
-        raise UnknownKindError(f"kind {kind!r} has no decoder")
-    reader.finish()
-    return msg
+        raise UnknownKindError(f"kind {env.kind!r}", rid=rid or None)
+    return cls, rid
+
+
+def _attach(msg: KVChunk, payloads: list[memoryview]) -> None:
+    """Check the frames against the header's sizes and CRCs, then hand them to the chunk."""
+    if msg.payloads is not UNSET:
+        raise MalformedError("payloads travel as frames, not in the header")
+    if msg.nbytes is UNSET or msg.crc is UNSET:
+        raise MalformedError("a kv header needs nbytes and crc")
+    if not len(msg.shapes) == len(msg.nbytes) == len(msg.crc) == len(payloads):
+        raise SizeMismatchError("shape/nbytes/crc/frame counts differ")
+    for i, (view, size, crc) in enumerate(zip(payloads, msg.nbytes, msg.crc, strict=True)):
+        if view.nbytes != size:
+            raise SizeMismatchError(f"payload {i} has {view.nbytes} bytes, header says {size}")
+        if crc32(view) != crc:
+            raise ChecksumError(f"payload {i}")
+    msg.attach(payloads)

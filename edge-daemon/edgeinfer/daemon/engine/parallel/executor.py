@@ -1,8 +1,8 @@
 """The ``ModelRunner``-compatible front of a ``tensor_parallel x pipeline_parallel`` engine.
 
 Lives in the engine's thread as rank 0: it flattens each batch into micro-batches on the host
-(with ``ModelRunner.prepare``), broadcasts them, runs its own shard (stage 0, TP rank 0) and
-returns the logits that the last stage sends back. ``kv_cache`` and ``layout`` keep the
+(with a :class:`BatchBuilder`, as ``ModelRunner`` does), broadcasts them, runs its own shard
+(stage 0, TP rank 0) and returns the logits that the last stage sends back. ``kv_cache`` and ``layout`` keep the
 single-process meaning (all layers, all KV heads), so the engine's KV export/import and the
 KV-transfer wire format are unchanged.
 """
@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from torch.distributed import TCPStore
 
+from edgeinfer.daemon.engine.attention_backend import attention_backend
+from edgeinfer.daemon.engine.batch_builder import BatchBuilder
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.errors import EngineError
 from edgeinfer.daemon.engine.kv_cache import KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.model_config import ModelConfig
-from edgeinfer.daemon.engine.model_runner import ModelRunner
 from edgeinfer.daemon.engine.parallel.comm import LOOPBACK, Comm
 from edgeinfer.daemon.engine.parallel.kv import ShardedKVCache
 from edgeinfer.daemon.engine.parallel.layout import ParallelLayout
@@ -38,16 +39,6 @@ from edgeinfer.daemon.engine.scheduler import ScheduledBatch
 from edgeinfer.daemon.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-class _HostBatcher(ModelRunner):
-    """Only ``ModelRunner.prepare`` (no model): flattens batches into host tensors, which
-    rank 0 broadcasts and every rank moves to its own device."""
-
-    def __init__(self, layout: KVLayout) -> None:  # prepare() reads these three fields only
-        self.block_size = layout.block_size
-        self.layout = layout  # plans CPU decode attention for a rank's KV heads
-        self.device = torch.device("cpu")
 
 
 def _num_blocks(cfg: EngineConfig, model_cfg: ModelConfig, par: ParallelLayout) -> int:
@@ -113,7 +104,12 @@ class ParallelExecutor:
             display.close()
         self._store = store  # the workers' rendezvous: alive as long as they are
         self._interrupted: str | None = None
-        self._host = _HostBatcher(rank_kv_layout(par, 0, model_cfg, cfg.block_size, self.dtype))
+        # Host tensors, which rank 0 broadcasts and every rank moves to its own device; the
+        # decode attention is planned for rank 0's KV heads (all ranks hold as many).
+        rank0 = rank_kv_layout(par, 0, model_cfg, cfg.block_size, self.dtype)
+        cpu = torch.device("cpu")
+        planner = attention_backend(self.device, rank0)
+        self._batches = BatchBuilder(cfg.block_size, planner, cpu)
         self.kv_cache = ShardedKVCache(self.shard, self.layout, num_blocks, self._guard)
         self._pool.watch(comm.abort)
 
@@ -162,11 +158,13 @@ class ParallelExecutor:
         samplers: list[Sequence] = []
         sizes: list[int] = []  # per micro-batch: its samplers' rows, then its prompt rows
         for entries in split_entries(batch.entries, self.num_micro_batches):
-            inputs, meta, seqs, max_pos = self._host.prepare(ScheduledBatch(entries=entries))
-            ids, pos, rows = inputs["input_ids"], inputs["positions"], inputs["logits_indices"]
-            mbs.append(MicroBatch(ids, pos, meta, rows, max_pos))
-            samplers.extend(seqs)
-            sizes += [len(seqs), len(rows) - len(seqs)]
+            step = self._batches.build(ScheduledBatch(entries=entries))
+            rows = step.logits_indices
+            mbs.append(
+                MicroBatch(step.input_ids, step.positions, step.meta, rows, step.max_position)
+            )
+            samplers.extend(step.samplers)
+            sizes += [len(step.samplers), len(rows) - len(step.samplers)]
         logits = self._run(mbs)
         if len(mbs) > 1 and logits.shape[0] > len(samplers):
             # As the single runner returns them: every sampler row first, then prompt rows.
@@ -177,7 +175,7 @@ class ParallelExecutor:
     @torch.inference_mode()
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits ``[T, vocab]`` for every position of ``seq`` (blocks already allocated)."""
-        inputs, meta, _, max_pos = self._host.prepare(ScheduledBatch([(seq, seq.num_tokens)]))
+        step = self._batches.build(ScheduledBatch([(seq, seq.num_tokens)]))
         return self._run(
-            [MicroBatch(inputs["input_ids"], inputs["positions"], meta, None, max_pos)]
+            [MicroBatch(step.input_ids, step.positions, step.meta, None, step.max_position)]
         )

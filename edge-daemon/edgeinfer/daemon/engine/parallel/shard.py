@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from edgeinfer.daemon.engine.attention_backend import attention_backend
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout
@@ -72,6 +73,7 @@ class ShardRunner:
             load_shard(self.model, reader, cfg, spec.layout, rank, self.dtype, progress)
         kv_layout = rank_kv_layout(spec.layout, rank, cfg, spec.engine.block_size, self.dtype)
         self.kv_cache = KVCache(kv_layout, spec.num_blocks, self.device)
+        self.model.use_attention(attention_backend(self.device, kv_layout))
 
     @torch.inference_mode()
     def step(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:

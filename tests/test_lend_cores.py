@@ -1,0 +1,98 @@
+"""Huge request bodies are taken in one at a time, and the engine steps on one thread meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from daemon_helpers import NUM_KV_BLOCKS, build_checkpoint
+from edgeinfer.daemon.api.tokenize_pool import LARGE_BODY_BYTES, TokenizePool
+from edgeinfer.daemon.engine.async_engine import AsyncEngine
+from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("lend_cores"))
+    config = EngineConfig(
+        model=str(checkpoint), num_kv_blocks=NUM_KV_BLOCKS, device="cpu", num_threads=2
+    )
+    return LLMEngine(config)
+
+
+def test_steps_run_on_one_thread_while_cores_are_lent(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def main() -> tuple[list[int], list[int], list[int]]:
+        runner = AsyncEngine(engine)
+        seen: list[int] = []
+        # Called in the engine thread after each step: the threads that step ran with.
+        runner.on_step = lambda *_: seen.append(torch.get_num_threads())
+        runner.start()
+
+        async def generate(request_id: str) -> list[int]:
+            async for _ in runner.generate(request_id, [5, 6, 7], params):
+                pass
+            steps = list(seen)
+            seen.clear()
+            return steps
+
+        try:
+            with runner.lend_cores():
+                with runner.lend_cores():
+                    nested = await generate("nested")
+                outer = await generate("outer")  # the outer block still lends
+            return nested, outer, await generate("after")
+        finally:
+            await runner.stop()
+
+    nested, outer, after = asyncio.run(main())
+    assert nested and set(nested) == {1}
+    assert outer and set(outer) == {1}
+    assert after and set(after) == {2}
+
+
+def test_large_bodies_are_admitted_one_at_a_time_and_lend_cores() -> None:
+    async def main() -> tuple[list[str], list[str]]:
+        pool = TokenizePool(workers=1)
+        events: list[str] = []
+        lent: list[str] = []
+
+        @contextlib.contextmanager
+        def lend() -> Iterator[None]:
+            lent.append("lend")
+            yield
+            lent.append("back")
+
+        first_in, release = asyncio.Event(), asyncio.Event()
+
+        async def large(name: str, length: int | None) -> None:
+            async with pool.admitted(length, lend):
+                events.append(name)
+                if name == "first":
+                    first_in.set()
+                    await release.wait()
+
+        try:
+            first = asyncio.create_task(large("first", LARGE_BODY_BYTES + 1))
+            await first_in.wait()
+            second = asyncio.create_task(large("unknown length", None))
+            async with pool.admitted(100, lend):  # small: no slot, no lending
+                events.append("small")
+            snapshot = list(events)
+            release.set()
+            await asyncio.gather(first, second)
+        finally:
+            pool.shutdown()
+        return snapshot, lent
+
+    snapshot, lent = asyncio.run(main())
+    # The second large body waited for the first one's slot; the small one did not.
+    assert snapshot == ["first", "small"]
+    assert lent == ["lend", "back", "lend", "back"]
