@@ -96,3 +96,36 @@ def test_large_bodies_are_admitted_one_at_a_time_and_lend_cores() -> None:
     # The second large body waited for the first one's slot; the small one did not.
     assert snapshot == ["first", "small"]
     assert lent == ["lend", "back", "lend", "back"]
+
+
+def test_large_bodies_get_a_bounded_share_of_the_clock() -> None:
+    """After a large body the slot stays held, idle, so admitting large bodies takes at most
+    ``large_body_share`` of the wall clock (here 0.5: the idle time equals the busy time)."""
+
+    async def main() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        pool = TokenizePool(workers=1, large_body_share=0.5)
+        marks: dict[str, float] = {}
+
+        async def large(name: str, busy_s: float) -> None:
+            async with pool.admitted(LARGE_BODY_BYTES + 1):
+                marks[f"{name} in"] = loop.time()
+                await asyncio.sleep(busy_s)
+                marks[f"{name} out"] = loop.time()
+
+        try:
+            first = asyncio.create_task(large("first", 0.05))
+            await asyncio.sleep(0)  # the first takes the slot before the second asks
+            await asyncio.gather(first, large("second", 0.0))
+        finally:
+            pool.shutdown()
+        busy = marks["first out"] - marks["first in"]
+        return busy, marks["second in"] - marks["first out"]
+
+    busy, idle = asyncio.run(main())
+    assert idle >= busy * 0.99
+
+
+def test_large_body_share_is_checked() -> None:
+    with pytest.raises(ValueError, match="large_body_share"):
+        TokenizePool(large_body_share=0.0)

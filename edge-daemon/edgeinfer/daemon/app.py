@@ -55,7 +55,7 @@ def build_app(
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = DaemonMetrics()
     app[STATE_KEY] = ServingState()
-    app[POOL_KEY] = TokenizePool()
+    app[POOL_KEY] = TokenizePool(large_body_share=config.large_body_share)
     app.on_response_prepare.append(stamp_request_id)
     app.on_cleanup.append(_stop_pool)
     app.cleanup_ctx.append(functools.partial(_engine_ctx, prebuilt=engine, listeners=listeners))

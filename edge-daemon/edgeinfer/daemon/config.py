@@ -70,6 +70,9 @@ class DaemonConfig:
     # only such requests may steer the daemon through x-edge-* headers.
     api_key: str | None = None
     drain_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
+    # Most of the wall clock spent admitting bodies over 1 MiB (read, JSON, length check):
+    # a flood of huge posts then takes at most this share of a core from the streams.
+    large_body_share: float = 0.25
     # ---- engine sizing (defaults are EngineConfig's) ----
     device: str = EngineConfig.device
     kv_cache_bytes: int = EngineConfig.kv_cache_bytes
@@ -100,6 +103,10 @@ class DaemonConfig:
         for name in ("kv_timeout_s", "heartbeat_interval_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key '{name}' must be > 0, got {getattr(self, name)}")
+        if not 0 < self.large_body_share <= 1:
+            raise ConfigError(
+                f"config key 'large_body_share' must be in (0, 1], got {self.large_body_share}"
+            )
         if self.local_prefill_threshold < 0:
             raise ConfigError(
                 f"config key 'local_prefill_threshold' must be >= 0, "

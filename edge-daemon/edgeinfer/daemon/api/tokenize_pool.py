@@ -17,6 +17,12 @@ the same time would only take a second core from the engine. While a large body 
 the engine steps on one thread (``lend``, :meth:`AsyncEngine.lend_cores`), leaving the other
 cores to this work: measured on 2 cores, 4 clients posting 16 MiB prompts in a loop made the
 streams' longest token gap 20x longer with the engine on 2 threads throughout.
+
+Large bodies also get a bounded share of the daemon's time: after each one the slot stays held,
+idle, long enough that admitting large bodies takes at most ``large_body_share`` of the wall
+clock (0.25: each is followed by three times its own duration). A flood of huge posts then
+costs the streams a fixed fraction of one core however fast it arrives; its posts wait on their
+connections, unread, which costs the daemon nothing.
 """
 
 from __future__ import annotations
@@ -39,12 +45,22 @@ LARGE_BODY_BYTES = 1 << 20
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_WORKERS = 2
 DEFAULT_MAX_LARGE = 1
+DEFAULT_LARGE_BODY_SHARE = 0.25
 
 
 class TokenizePool:
-    def __init__(self, workers: int = DEFAULT_WORKERS, max_large: int = DEFAULT_MAX_LARGE) -> None:
+    def __init__(
+        self,
+        workers: int = DEFAULT_WORKERS,
+        max_large: int = DEFAULT_MAX_LARGE,
+        large_body_share: float = DEFAULT_LARGE_BODY_SHARE,
+    ) -> None:
+        if not 0 < large_body_share <= 1:
+            raise ValueError(f"large_body_share must be in (0, 1], got {large_body_share}")
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="edgeinfer-tokenize")
         self._large = asyncio.Semaphore(max_large)
+        # Idle seconds the slot stays held per second spent admitting a large body.
+        self._idle_per_busy = (1 - large_body_share) / large_body_share
 
     @contextlib.asynccontextmanager
     async def admitted(
@@ -53,13 +69,20 @@ class TokenizePool:
         lend: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> AsyncIterator[None]:
         """Hold a slot for the block (reading and parsing the body) when the body is large,
-        and run the block inside ``lend()`` once the slot is held."""
+        and run the block inside ``lend()`` once the slot is held; then keep the slot, idle,
+        for the block's duration times ``idle_per_busy`` (see the module docstring)."""
         if content_length is not None and content_length <= LARGE_BODY_BYTES:
             yield
             return
+        loop = asyncio.get_running_loop()
         async with self._large:
-            with lend():
-                yield
+            start = loop.time()
+            try:
+                with lend():
+                    yield
+            finally:
+                # A refused body cost as much as an accepted one, so both are paced.
+                await asyncio.sleep((loop.time() - start) * self._idle_per_busy)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread. A cancelled caller stops waiting; the call itself
