@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.outputs import RequestOutput
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.kv_transfer.decode_client import ClientCurve
@@ -29,7 +30,9 @@ from edgeinfer.daemon.kv_transfer.pull_price import (
 from edgeinfer.daemon.kv_transfer.security import generate_keys
 from edgeinfer.daemon.kv_transfer.stats import TransferStats
 from edgeinfer.daemon.kv_transfer.wire import decode, encode
+from edgeinfer.daemon.load_report import LoadTracker
 from edgeinfer.daemon.metrics import DaemonMetrics
+from edgeinfer.daemon.transfer_plane import TransferPlane
 from kv_transfer_helpers import (
     BLOCK_SIZE,
     LAYOUT,
@@ -38,6 +41,7 @@ from kv_transfer_helpers import (
     prompt_of,
     reference_tokens,
     running_pair,
+    start_engine,
 )
 
 PATIENCE_S = 60.0  # a hang guard: every wait ends at its event long before this
@@ -167,3 +171,29 @@ def test_pulled_blocks_metric() -> None:
 
     assert (pulled("received"), pulled("sent")) == (3, 3)
     assert server.pull_rtt_s == 0.001 and server.pull_link_bytes_per_s == 1.5e6
+
+
+@pytest.mark.asyncio
+async def test_decode_daemon_learns_its_configured_peers_features_at_start(
+    checkpoint: Path,
+) -> None:
+    """A decode daemon connects to its configured prefill peers when it starts, so their pongs
+    (and with them ``kv_pull``) are in before its first request, which can then offer pages."""
+    async with running_pair(checkpoint) as pair:
+        engine = await start_engine(checkpoint)
+        config = DaemonConfig(
+            model=str(checkpoint), role="decode", host="127.0.0.1", port=0, kv_port=0,
+            heartbeat_port=0, prefill_peers=(pair.endpoint,), enable_prefix_caching=False,
+        )  # fmt: skip
+        metrics = DaemonMetrics()
+        load = LoadTracker(config, engine, metrics, lambda: (False, False, 0))
+        plane = TransferPlane(config, engine, load, metrics)
+        try:
+            await plane.start()
+            client = plane.client
+            assert client is not None
+            await until(lambda: client.peer_features(pair.endpoint) is not None, "no pong")
+            assert FEATURE_KV_PULL in (client.peer_features(pair.endpoint) or ())
+        finally:
+            await plane.stop(drain=False)
+            await engine.stop()

@@ -88,6 +88,11 @@ class TransferPlane:
                     stats=TransferStats(observe_latency=self.metrics.kv_transfer_time),
                     timeout_s=cfg.kv_timeout_s,
                 )
+                # Connect to the configured peers now: their pongs (what each supports, e.g.
+                # receiving pages it lacks) are then in before the first request, which would
+                # otherwise go without. ZeroMQ keeps retrying a peer that is not up yet.
+                for peer in cfg.prefill_peers:
+                    self.client.connect(peer)
             await self.load.start()
             started_at = time.time()
             if cfg.enable_prefix_caching:
