@@ -9,18 +9,12 @@ from typing import Any
 
 import jsonschema_rs
 import pytest
-import pytest_asyncio
 import torch
 
 from daemon_helpers import (
-    build_checkpoint,
-    daemon_config,
     engine_stats,
-    load_engine,
     read_events,
     reference_engine,
-    start,
-    wait_for_idle_engine,
 )
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
@@ -32,26 +26,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("api_eval"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint: Path) -> LLMEngine:
-    return load_engine(checkpoint)
-
-
-@pytest.fixture(scope="module")
 def ref(checkpoint: Path) -> LLMEngine:
     return reference_engine(checkpoint)
-
-
-@pytest_asyncio.fixture
-async def client(aiohttp_client: Any, checkpoint: Path, llm: LLMEngine) -> Any:
-    client = await start(aiohttp_client, daemon_config(checkpoint), llm)
-    yield client
-    stats = await wait_for_idle_engine(client)
-    assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
 
 def prompt_scores(ref: LLMEngine, ids: list[int]) -> torch.Tensor:

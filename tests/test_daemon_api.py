@@ -6,16 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from daemon_helpers import (
-    build_checkpoint,
     daemon_config,
-    load_engine,
     read_events,
     reference_engine,
     start,
-    wait_for_idle_engine,
 )
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
@@ -27,27 +23,8 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("daemon_api"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint: Path) -> LLMEngine:
-    return load_engine(checkpoint)
-
-
-@pytest.fixture(scope="module")
 def ref(checkpoint: Path) -> LLMEngine:
     return reference_engine(checkpoint)
-
-
-@pytest_asyncio.fixture
-async def client(aiohttp_client: Any, checkpoint: Path, llm: LLMEngine) -> Any:
-    client = await start(aiohttp_client, daemon_config(checkpoint), llm)
-    yield client
-    # Every test must leave the shared engine as it found it: nothing running, no block held.
-    stats = await wait_for_idle_engine(client)
-    assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
 
 def chat_prompt_ids(ref: LLMEngine) -> list[int]:

@@ -8,23 +8,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from daemon_helpers import MAX_MODEL_LEN, build_checkpoint, daemon_config, load_engine, start
+from daemon_helpers import MAX_MODEL_LEN, daemon_config, start
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.asyncio
 
 CHAT = [{"role": "user", "content": "hi"}]
 LONG_PROMPT = [7] * MAX_MODEL_LEN
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("daemon_errors"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint: Path) -> LLMEngine:
-    return load_engine(checkpoint)
 
 
 @pytest_asyncio.fixture

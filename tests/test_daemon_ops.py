@@ -10,10 +10,8 @@ import pytest
 import pytest_asyncio
 
 from daemon_helpers import (
-    build_checkpoint,
     daemon_config,
     engine_stats,
-    load_engine,
     read_event,
     read_events,
     start,
@@ -30,16 +28,6 @@ pytestmark = pytest.mark.asyncio
 # Long enough that a request is still generating when the test acts on it mid-stream.
 LONG_TOKENS = 400
 LONG = {"prompt": "Once upon a time", "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("daemon_ops"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint: Path) -> LLMEngine:
-    return load_engine(checkpoint)
 
 
 ADMIN_TOKEN = "s3cret"

@@ -13,7 +13,7 @@ import pytest_asyncio
 import torch
 from transformers import AutoModelForCausalLM
 
-from daemon_helpers import build_checkpoint, daemon_config, load_engine, start
+from daemon_helpers import daemon_config, start
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
@@ -41,16 +41,6 @@ WORDS = [
     "near",
     "river",
 ]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("loglikelihood"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint: Path) -> LLMEngine:
-    return load_engine(checkpoint)
 
 
 @pytest_asyncio.fixture

@@ -15,7 +15,7 @@ import pytest_asyncio
 import schemathesis
 from schemathesis.core.result import Ok
 
-from daemon_helpers import build_checkpoint, daemon_config, load_engine, read_events, start
+from daemon_helpers import daemon_config, read_events, start
 from edgeinfer.daemon.api import cache_salt, protocol
 from edgeinfer.daemon.app import build_app
 from edgeinfer.daemon.engine import sampling_params
@@ -121,16 +121,6 @@ def test_served_where_the_api_is(tmp_path: Path) -> None:
 
 
 # ---- real answers of an in-process daemon match the document ----------------------------
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("openapi"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint: Path) -> LLMEngine:
-    return load_engine(checkpoint)
 
 
 @pytest_asyncio.fixture

@@ -11,7 +11,6 @@ import pytest
 import pytest_asyncio
 
 from daemon_helpers import (
-    build_checkpoint,
     daemon_config,
     load_engine,
     read_events,
@@ -23,11 +22,6 @@ from edgeinfer.daemon.api.cache_salt import CACHE_SALT_HEADER
 pytestmark = pytest.mark.asyncio
 
 PROMPT_LEN = 40  # two whole 16-token blocks can be reused (the last token is always computed)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("salt_api"))
 
 
 @pytest_asyncio.fixture

@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from daemon_helpers import (
-    build_checkpoint,
-    daemon_config,
-    load_engine,
     read_events,
-    start,
-    wait_for_idle_engine,
 )
-from edgeinfer.daemon.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.asyncio
 
@@ -43,24 +35,6 @@ def check_fruit(text: str) -> None:
     assert data["fruit"] in ("apple", "pear", "plum")
     assert isinstance(data["ripe"], bool)
     assert 1 <= data["grams"] <= 999
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("structured_api"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint: Path) -> LLMEngine:
-    return load_engine(checkpoint)
-
-
-@pytest_asyncio.fixture
-async def client(aiohttp_client: Any, checkpoint: Path, llm: LLMEngine) -> Any:
-    client = await start(aiohttp_client, daemon_config(checkpoint), llm)
-    yield client
-    stats = await wait_for_idle_engine(client)
-    assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
 
 async def post(client: Any, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -9,7 +9,7 @@ import jsonschema_rs
 import pytest
 import pytest_asyncio
 
-from daemon_helpers import build_checkpoint, daemon_config, load_engine, start
+from daemon_helpers import daemon_config, start
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 from edgeinfer.shared.openapi import openapi_document
 
@@ -18,16 +18,6 @@ pytestmark = pytest.mark.asyncio
 KEY = "tokenize-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("tokenize"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint: Path) -> LLMEngine:
-    return load_engine(checkpoint)
 
 
 @pytest_asyncio.fixture

@@ -1,0 +1,36 @@
+"""Fixtures the in-process daemon API tests share; a test module overrides any of them by
+defining its own (a different config, a checkpoint of its own shape)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from daemon_helpers import build_checkpoint, daemon_config, load_engine, start, wait_for_idle_engine
+from edgeinfer.daemon.engine.llm_engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny test checkpoint, built once per test module."""
+    return build_checkpoint(tmp_path_factory.mktemp(request.module.__name__))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint: Path) -> LLMEngine:
+    """One loaded engine per test module, shared by its daemons."""
+    return load_engine(checkpoint)
+
+
+@pytest_asyncio.fixture
+async def client(aiohttp_client: Any, checkpoint: Path, llm: LLMEngine) -> AsyncIterator[Any]:
+    """A daemon app around the module's engine. Every test must leave the shared engine as it
+    found it: nothing running, no block held."""
+    client = await start(aiohttp_client, daemon_config(checkpoint), llm)
+    yield client
+    stats = await wait_for_idle_engine(client)
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0
