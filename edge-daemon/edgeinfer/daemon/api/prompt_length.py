@@ -82,10 +82,13 @@ def check_chat(
         for i, m in enumerate(messages)
         if m.get("role") not in _UNCOUNTED_ROLES and isinstance(m.get("content"), str)
     ]
-    if sum(len(messages[i]["content"]) for i in counted) < limit:
+    most = sum(len(messages[i]["content"]) for i in counted)
+    if most < limit:
         return
     bound = chars_per_token_bound(tokenizer)
-    if bound is None:
+    # Even if every counted message showed in full it could fit: no probe render (the common
+    # case for a long but legitimate conversation).
+    if bound is None or min_tokens(most, bound) < limit:
         return
     # Every text content becomes a marker, so the probe renders nothing long, and no message
     # can show another's marker.
