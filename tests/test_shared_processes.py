@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgeinfer.shared.processes import spawn
+from edgeinfer.shared.processes import free_port, spawn
 
 # Exits 0 half a second after the first SIGTERM, 3 at once on a second one.
 TWO_STEP = """
@@ -51,3 +51,10 @@ def test_stop_after_the_callers_own_sigterm_only_waits(tmp_path: Path) -> None:
 def test_stop_sends_sigterm_itself_by_default(tmp_path: Path) -> None:
     proc = _start(tmp_path, "plain")
     assert proc.stop(timeout_s=10) == 0
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    # The kernel readily gives a just-released port to the next bind-to-0; a daemon handed the
+    # same port twice (HTTP and heartbeat) refuses its own configuration.
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,12 +22,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Ports free_port has handed out in this process. The kernel may give a just-released port
+# to the next bind-to-0, so two calls in a row (a daemon's HTTP and heartbeat ports) could
+# return the same one, and the daemon then refuses its own configuration.
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the usual bind-to-0 race applies)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nobody listens on right now and not handed out before by this process (the
+    usual bind-to-0 race with other processes still applies)."""
+    with _handed_out_lock:
+        for _ in range(64):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise RuntimeError("no fresh free port after 64 tries")
 
 
 def http_get(url: str, timeout: float = 5.0, token: str | None = None) -> tuple[int, bytes]:
