@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from daemon_helpers import NUM_KV_BLOCKS, build_checkpoint
-from edgeinfer.daemon.api.tokenize_pool import LARGE_BODY_BYTES, TokenizePool
+from edgeinfer.daemon.api.request_body import LARGE_BODY_BYTES
+from edgeinfer.daemon.api.tokenize_pool import TokenizePool
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
@@ -89,7 +90,7 @@ def test_large_bodies_are_admitted_one_at_a_time_and_lend_cores() -> None:
             release.set()
             await asyncio.gather(first, second)
         finally:
-            pool.shutdown()
+            await pool.close()
         return snapshot, lent
 
     snapshot, lent = asyncio.run(main())
@@ -118,7 +119,7 @@ def test_large_bodies_get_a_bounded_share_of_the_clock() -> None:
             await asyncio.sleep(0)  # the first takes the slot before the second asks
             await asyncio.gather(first, large("second", 0.0))
         finally:
-            pool.shutdown()
+            await pool.close()
         busy = marks["first out"] - marks["first in"]
         return busy, marks["second in"] - marks["first out"]
 

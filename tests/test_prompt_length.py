@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from daemon_helpers import build_checkpoint
+from edgeinfer.daemon.api.body_shape import Long
 from edgeinfer.daemon.api.errors import APIError
 from edgeinfer.daemon.api.prompt_length import PROBE_CHARS_PER_TOKEN, check_chat, encode_within
 from edgeinfer.daemon.api.protocol import ModelInfo, parse_request
@@ -182,3 +183,18 @@ def test_a_huge_request_is_neither_rendered_nor_tokenised(
     assert caught.value.code == "context_length_exceeded"
     assert encoded == []
     assert all(n < 1000 for n in rendered)  # the probe's markers at most
+
+
+def test_a_marker_counts_as_the_text_it_stands_for(tokenizer: Tokenizer) -> None:
+    """A large body's shape (body_shape.py) replaces long contents by markers; the check counts
+    each as its text's length, and still only where the template shows it."""
+    marker = "\u2063edgeinfer-long-0\u2063"
+    long = {marker: Long(chars=len(HUGE), stripped=len(HUGE))}
+    with pytest.raises(APIError) as caught:
+        check_chat(tokenizer, [{"role": "user", "content": marker}], LIMIT, Render(), long)
+    assert caught.value.code == "context_length_exceeded"
+    dropped = [{"role": "system", "content": marker}, {"role": "user", "content": "hi"}]
+    check_chat(tokenizer, dropped, LIMIT, Render("drops-system"), long)  # no refusal
+    # Only whitespace around a short text: what a trimming template shows is short.
+    trimmed = {marker: Long(chars=len(HUGE), stripped=2)}
+    check_chat(tokenizer, [{"role": "user", "content": marker}], LIMIT, Render("trims"), trimmed)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from edgeinfer.daemon.api.tokenize_pool import MAX_BODY_BYTES, read_body
+from edgeinfer.daemon.api.request_body import MAX_BODY_BYTES, read_body
 
 pytestmark = pytest.mark.asyncio
 

@@ -20,8 +20,9 @@ from edgeinfer.daemon.api.errors import error_middleware
 from edgeinfer.daemon.api.handlers import add_api_routes, add_wrong_role_routes
 from edgeinfer.daemon.api.ops import add_ops_routes
 from edgeinfer.daemon.api.protocol import ModelInfo
+from edgeinfer.daemon.api.request_body import MAX_BODY_BYTES
 from edgeinfer.daemon.api.token_bytes import chars_per_token_bound
-from edgeinfer.daemon.api.tokenize_pool import MAX_BODY_BYTES, POOL_KEY, TokenizePool
+from edgeinfer.daemon.api.tokenize_pool import POOL_KEY, TokenizePool
 from edgeinfer.daemon.config import DaemonConfig
 from edgeinfer.daemon.engine.async_engine import AsyncEngine
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
@@ -69,7 +70,7 @@ def build_app(
 
 
 async def _stop_pool(app: web.Application) -> None:
-    app[POOL_KEY].shutdown()
+    await app[POOL_KEY].close()
 
 
 async def _engine_ctx(

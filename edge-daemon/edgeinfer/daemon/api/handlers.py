@@ -20,17 +20,18 @@ from aiohttp import web
 
 from edgeinfer.daemon.api.cache_salt import CACHE_SALT_HEADER, effective_cache_salt
 from edgeinfer.daemon.api.caller import caller_of, trusted_prefill_endpoint
+from edgeinfer.daemon.api.early_refusal import refuse_by_length
 from edgeinfer.daemon.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, json_response
 from edgeinfer.daemon.api.protocol import (
     GenerateRequest,
     Kind,
     ModelInfo,
-    load_json,
     parse_request,
 )
+from edgeinfer.daemon.api.request_body import decode_body
 from edgeinfer.daemon.api.responses import SSE_DONE, ResponseBuilder, sse
 from edgeinfer.daemon.api.structured import compile_constraint
-from edgeinfer.daemon.api.tokenize_pool import POOL_KEY, read_body
+from edgeinfer.daemon.api.tokenize_pool import POOL_KEY
 from edgeinfer.daemon.api.tokenize_routes import add_tokenize_routes
 from edgeinfer.daemon.engine.errors import EngineError, InvalidRequestError
 from edgeinfer.daemon.engine.outputs import RequestOutput
@@ -117,7 +118,11 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             runner, model = _admit(request)
             pool = request.app[POOL_KEY]
             async with pool.admitted(request.content_length, runner.engine.lend_cores):
-                body = load_json(await read_body(request))
+                body = await decode_body(
+                    request,
+                    pool.bodies,
+                    lambda shape, long: refuse_by_length(kind, shape, long, model),
+                )
                 endpoint = trusted_prefill_endpoint(request, body)
                 req = await pool.run(parse_request, kind, body, model, endpoint)
                 if req.params.structured is not None:

@@ -18,9 +18,11 @@ Before any of that, a text's length alone may already prove it too long
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
+from edgeinfer.daemon.api.body_shape import Long
 from edgeinfer.daemon.api.errors import APIError
 from edgeinfer.daemon.api.token_bytes import chars_per_token_bound, min_tokens
 from edgeinfer.daemon.engine.tokenizer import Tokenizer
@@ -34,6 +36,7 @@ _CUT_WINDOW = 256
 # Roles whose content a template may shorten by what it says: reasoning templates (Qwen3,
 # DeepSeek-R1) keep only what follows an assistant message's last "</think>".
 _UNCOUNTED_ROLES = frozenset({"assistant"})
+_NONE_LONG: Mapping[str, Long] = MappingProxyType({})
 
 
 def encode_within(
@@ -67,6 +70,7 @@ def check_chat(
     messages: list[dict[str, Any]],
     limit: int,
     render: Callable[[list[dict[str, Any]]], str],
+    long: Mapping[str, Long] = _NONE_LONG,
 ) -> None:
     """Refuse a conversation whose messages alone cannot fit in ``limit`` tokens, before the
     chat template renders them (rendering copies a 16 MiB message several times over).
@@ -76,13 +80,21 @@ def check_chat(
     whose marker is missing from the result (a template that drops it, or cuts it) adds
     nothing. Content is counted without its surrounding whitespace (templates often trim).
     Assistant messages never count (see ``_UNCOUNTED_ROLES``). Costs nothing unless the
-    contents are long enough to decide."""
+    contents are long enough to decide. A content that is a marker of ``long`` (a body's
+    shape, :mod:`~edgeinfer.daemon.api.body_shape`) counts as the text it stands for."""
+
+    def chars(content: str) -> int:
+        return v.chars if (v := long.get(content)) is not None else len(content)
+
+    def stripped(content: str) -> int:
+        return v.stripped if (v := long.get(content)) is not None else len(content.strip())
+
     counted = [
         i
         for i, m in enumerate(messages)
         if m.get("role") not in _UNCOUNTED_ROLES and isinstance(m.get("content"), str)
     ]
-    most = sum(len(messages[i]["content"]) for i in counted)
+    most = sum(chars(messages[i]["content"]) for i in counted)
     if most < limit:
         return
     bound = chars_per_token_bound(tokenizer)
@@ -100,8 +112,8 @@ def check_chat(
     shown = render(
         [{**m, "content": markers[i]} if i in markers else m for i, m in enumerate(messages)]
     )
-    chars = sum(len(messages[i]["content"].strip()) for i in counted if markers[i] in shown)
-    if (at_least := min_tokens(chars, bound)) >= limit:
+    shown_chars = sum(stripped(messages[i]["content"]) for i in counted if markers[i] in shown)
+    if (at_least := min_tokens(shown_chars, bound)) >= limit:
         raise too_long(limit, at_least, "messages")
 
 

@@ -5,8 +5,9 @@ The event loop writes every stream's tokens, so a prompt tokenised on it stalls 
 tokenizers library releases the GIL while it encodes (``Tokenizer.encode`` goes through
 ``encode_batch``, which does), so the loop and the engine thread keep running; chat-template
 rendering (jinja2) holds the GIL but is Python bytecode, which the interpreter hands over every
-few milliseconds (measured: a 16 MiB message renders in ~6 ms). Decoding the JSON body stays on
-the loop: the parsers hold the GIL throughout, so a thread would not shorten the stall.
+few milliseconds (measured: a 16 MiB message renders in ~6 ms). A JSON parser holds the GIL
+throughout, so a thread would not shorten that stall: large bodies are decoded in another
+process (``bodies``, :mod:`~edgeinfer.daemon.api.request_body`).
 
 Admission is bounded too. A request with a large body (over :data:`LARGE_BODY_BYTES`, or of
 unknown length) waits for one of ``max_large`` slots before its body is read, so a thousand
@@ -34,15 +35,12 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from aiohttp import hdrs, web
+from aiohttp import web
+
+from edgeinfer.daemon.api.request_body import LARGE_BODY_BYTES, MAX_BODY_BYTES, BodyDecoder
 
 T = TypeVar("T")
 
-# A body under this is parsed without waiting for a slot: 1 MiB holds a ~250k-token prompt.
-LARGE_BODY_BYTES = 1 << 20
-# The daemon's body limit (its app's client_max_size; larger: 413). Prompts arrive as JSON;
-# 128k token ids take about 1 MiB, aiohttp's default limit.
-MAX_BODY_BYTES = 16 << 20
 DEFAULT_WORKERS = 2
 DEFAULT_MAX_LARGE = 1
 DEFAULT_LARGE_BODY_SHARE = 0.25
@@ -58,6 +56,7 @@ class TokenizePool:
         if not 0 < large_body_share <= 1:
             raise ValueError(f"large_body_share must be in (0, 1], got {large_body_share}")
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="edgeinfer-tokenize")
+        self.bodies = BodyDecoder(MAX_BODY_BYTES)
         self._large = asyncio.Semaphore(max_large)
         # Idle seconds the slot stays held per second spent admitting a large body.
         self._idle_per_busy = (1 - large_body_share) / large_body_share
@@ -90,28 +89,9 @@ class TokenizePool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
-    def shutdown(self) -> None:
+    async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-async def read_body(request: web.Request) -> bytes | bytearray:
-    """The request's body, copied once: into a buffer of its declared length. aiohttp's
-    ``read()`` grows a bytearray chunk by chunk and then copies it into bytes, all on the event
-    loop with the GIL held: on a 16 MiB body, more of the loop's time than decoding the JSON
-    (py-spy). A body without a length, over the limit (413) or compressed (its length is not
-    the decoded one) goes through ``read()``."""
-    size = request.content_length
-    if size is None or size > MAX_BODY_BYTES or hdrs.CONTENT_ENCODING in request.headers:
-        return await request.read()
-    body = bytearray(size)
-    filled = 0
-    with memoryview(body) as view:
-        # aiohttp's parser delivers exactly Content-Length bytes, or raises if the
-        # connection ends first.
-        while chunk := await request.content.readany():
-            view[filled : filled + len(chunk)] = chunk
-            filled += len(chunk)
-    return body
+        await self.bodies.close()
 
 
 POOL_KEY = web.AppKey("tokenize_pool", TokenizePool)

@@ -11,14 +11,18 @@ pool, off the event loop.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 
+from edgeinfer.daemon.api.body_shape import Long
+from edgeinfer.daemon.api.early_refusal import refuse_by_length
 from edgeinfer.daemon.api.errors import UNAVAILABLE, APIError, json_response
 from edgeinfer.daemon.api.fields import Fields
 from edgeinfer.daemon.api.prompt_length import encode_within
-from edgeinfer.daemon.api.protocol import ModelInfo, chat_prompt_ids, load_json
+from edgeinfer.daemon.api.protocol import Kind, ModelInfo, chat_prompt_ids, check_model
+from edgeinfer.daemon.api.request_body import decode_body
 from edgeinfer.daemon.api.tokenize_pool import POOL_KEY
 from edgeinfer.daemon.state import STATE_KEY
 
@@ -32,18 +36,21 @@ def _model(request: web.Request, body: dict[str, Any]) -> ModelInfo:
     model = request.app[STATE_KEY].model
     if model is None:
         raise APIError(503, "the model is still loading; retry shortly", type=UNAVAILABLE)
-    name = Fields(body).text("model")
-    if name is not None and name != model.name:
-        raise APIError(
-            404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
-        )
+    check_model(Fields(body), model)
     return model
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
     pool = request.app[POOL_KEY]
+    model = request.app[STATE_KEY].model
+
+    def refuse(shape: dict[str, Any], long: Mapping[str, Long]) -> None:
+        if model is not None:
+            kind: Kind = "chat" if shape.get("messages") is not None else "completion"
+            refuse_by_length(kind, shape, long, model)
+
     async with pool.admitted(request.content_length):
-        return load_json(await request.read())
+        return await decode_body(request, pool.bodies, refuse)
 
 
 def _tokenize(body: dict[str, Any], model: ModelInfo) -> dict[str, Any]:
