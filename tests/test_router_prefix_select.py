@@ -158,3 +158,14 @@ def test_the_index_is_asked_about_candidates_only_and_a_miss_is_prefix_blind() -
     (held,) = [u for u in URLS if u in asked[-1] and u != blind.decode.url][:1]
     best = _place(w, feats({held: 40, "http://cgq-1:8000": 50}), cfg=cfg)[0]
     assert best.decode.url == held and best.decode_cached == 640
+
+
+def test_a_daemon_above_the_load_bound_places_when_none_within_it_can() -> None:
+    # Decode daemons only, no prefill daemon: those within the bound may not prefill 640 tokens
+    # themselves (threshold 0), so the busy one above it, which may, takes the request.
+    w = World({"lon": URLS})
+    for u in URLS:
+        w.beat(u, role="decode", running=0, in_flight=0, local_prefill_threshold=0)
+    w.beat(URLS[3], role="decode", running=40, in_flight=40, local_prefill_threshold=10_000)
+    (p,) = _place(w, _hits(800, {URLS[0]: 10}))[:1]
+    assert (p.decode.url, p.prefill, p.computed_tokens) == (URLS[3], None, 800)

@@ -293,6 +293,7 @@ def test_updates_per_placement_match_a_rebuild() -> None:
     fresh = load_arrays.LoadArrays(views, "m", live.geo, CFG, w.reg.pending, now)
     assert live.version == fresh.version
     np.testing.assert_allclose(live.p_end, fresh.p_end)
+    assert live.p_end_l == live.p_end.tolist()  # the prefix path's copy, kept equal
     # Co-located peers are chosen per snapshot: compare the rows whose peer a rebuild keeps.
     same = np.asarray(live.colo) == np.asarray(fresh.colo)
     assert same.sum() >= len(same) - 2

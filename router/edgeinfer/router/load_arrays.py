@@ -206,6 +206,10 @@ class LoadArrays:
         self.p_end: FloatArray = p_end + pm[:, PCol.PENDING_PREFILL_S]
         self.p_pop: IntArray = pm[:, PCol.POP].astype(np.intp)
         self.p_pop_list: list[int] = self.p_pop.tolist()
+        # As Python lists too (p_end_l kept equal to p_end): the prefix path reads a few dozen
+        # entries per decision, and a numpy scalar read costs several times a list's.
+        self.p_end_l: list[float] = self.p_end.tolist()
+        self.p_inv_l: list[float] = self.p_inv.tolist()
         self.pooled_short = self.pooled_long = math.inf
         self.pool: IntArray  # indices into p of the cheapest prefill daemons (module doc)
         self.pool_at: dict[int, int]  # index into p -> position in the pool
@@ -366,7 +370,7 @@ class LoadArrays:
                 # An idle daemon starts on new work now; work taken back leaves the rest.
                 end = self.p_end.item(j)
                 end = (max(end, t) if prefill > 0 else end) + prefill * self.p_inv.item(j)
-                self.p_end[j] = end
+                self.p_end[j] = self.p_end_l[j] = end
                 if (k := self.pool_at.get(j)) is not None:
                     self.pool_end[k] = end
                     # More work only raises the pooled minima, so the bounds stand; less may not.

@@ -10,7 +10,9 @@ the decode daemon lacks), but only the pairs that can place the request
 (:mod:`edgeinfer.router.prefix_pairs`: bounds by RTT, transfer and load first). The load guard
 (:func:`~edgeinfer.router.prefix_scoring.under_bound`) keeps a hot prefix from making its
 holders a hot spot: a daemon above ``1 + load_eps`` times the mean load is no candidate, and
-near-ties are broken by load as elsewhere.
+near-ties are broken by load as elsewhere. Candidates above the bound are left out before
+pricing (a prefill daemon there pairs with none; a decode daemon there is priced only when none
+within it can place, as ``rank`` falls back), so the choice is the one pricing them all gives.
 
 The prefix index is asked about candidates only (``PrefixHits.lookup``): the
 ``prefix_lookup_candidates`` best decode daemons by network and static cost (a wider cut than
@@ -54,8 +56,18 @@ def select_with_prefix(
     if px is None:
         return None
     prompt = max(1, features.prompt_tokens)
-    n_d, k = len(a.d), cfg.decode_candidates
+    n_d, k, eps = len(a.d), cfg.decode_candidates, cfg.load_eps
     key = net_s + (a.key_short if prompt <= cfg.short_prompt_tokens else a.key_long)
+    # The load guard's bounds (prefix_scoring.under_bound) as scalars: only the candidates'
+    # loads are compared with them.
+    load, p_end_l = a.load, a.p_end_l
+    d_bound = (1.0 + eps) * (a.load_sum + 1.0) / len(load) + 1.0
+    job_s = prompt * a.p_inv_mean
+    p_bound = (
+        (1.0 + eps) * (float(np.maximum(a.p_end - t, 0.0).sum()) + job_s) / len(a.p) + job_s
+        if len(a.p)
+        else 0.0
+    )
     hits = px.hits
     if px.lookup is not None:
         # The index is asked about the candidates only: the pruned decode daemons of a wider
@@ -72,18 +84,7 @@ def select_with_prefix(
         pruned = key.argpartition(k - 1)[:k].tolist() if n_d > k else list(range(n_d))
     if not hits:
         return None
-    bs, kh, eps = px.block_size, cfg.prefix_candidates, cfg.load_eps
-    # The load guard's bounds (prefix_scoring.under_bound) as scalars: only the candidates'
-    # loads are compared with them.
-    load = a.load
-    d_bound = (1.0 + eps) * (a.load_sum + 1.0) / len(load) + 1.0
-    p_end, p_inv = a.p_end, a.p_inv
-    job_s = prompt * a.p_inv_mean
-    p_bound = (
-        (1.0 + eps) * (float(np.maximum(p_end - t, 0.0).sum()) + job_s) / len(a.p) + job_s
-        if len(a.p)
-        else 0.0
-    )
+    kh = cfg.prefix_candidates
     # Holders within the bound, the nearest to the client (decode) or the least queued
     # (prefill) first among equal hits: a far holder loses on the network what it saves.
     d_held: list[tuple[int, float, int]] = []
@@ -93,46 +94,80 @@ def select_with_prefix(
         if (i := d_of.get(url)) is not None and load[i] <= d_bound:
             d_held.append((blocks, net_s.item(i), i))
         if (j := p_of.get(url)) is not None:
-            q = p_end.item(j) - t
+            q = p_end_l[j] - t
             if q <= p_bound:  # (a negative queue is an idle daemon: within the bound)
                 p_held.append((blocks, q if q > 0.0 else 0.0, j))
     sel_l = sorted(set(pruned).union(_best(d_held, kh)))
     colo = [c for i in sel_l if (c := a.colo[i]) >= 0]
-    pset_l = sorted(set(a.pool_list).union(colo, _best(p_held, kh)))
+    # Prefill daemons above the bound pair with no decode daemon: left out before pricing.
+    pset_l, p_queue = [], []
+    for j in sorted(set(a.pool_list).union(colo, _best(p_held, kh))):
+        q = p_end_l[j] - t
+        q = q if q > 0.0 else 0.0
+        if q <= p_bound:
+            pset_l.append(j)
+            p_queue.append(q)
+    # So are decode daemons above theirs: priced only when none within it can place.
+    d_list = [i for i in sel_l if load[i] <= d_bound]
     # Tokens each candidate holds: from the few holders, not by asking every candidate.
     d_tok: dict[int, int] = {}
     p_tok: dict[int, int] = {}
     for url, blocks in hits.items():
-        tokens = cached_tokens(prompt, blocks, bs)
+        tokens = cached_tokens(prompt, blocks, px.block_size)
         if (i := d_of.get(url)) is not None:
             d_tok[i] = tokens
         if (j := p_of.get(url)) is not None:
             p_tok[j] = tokens
+    tok = d_tok, p_tok
+    found = (
+        _priced(a, net, net_s, features, cfg, rng, limit, t, d_list, pset_l, p_queue, tok)
+        if d_list
+        else None
+    )
+    if found is None and len(d_list) < len(sel_l):
+        found = _priced(a, net, net_s, features, cfg, rng, limit, t, sel_l, pset_l, p_queue,
+                        tok, d_bound)  # fmt: skip
+    return found or []
+
+
+def _priced(
+    a: LoadArrays, net: NetworkModel, net_s: FloatArray, features: RequestFeatures,
+    cfg: PlacementConfig, rng: random.Random, limit: int, t: float, d_list: list[int],
+    pset_l: list[int], p_queue: list[float], tok: tuple[dict[int, int], dict[int, int]],
+    d_bound: float | None = None,
+) -> list[Placement] | None:  # fmt: skip
+    """Decode rows ``d_list`` priced against prefill rows ``pset_l`` (within the bound, queues
+    ``p_queue``); with ``d_bound``, rows above it are ranked only if none within can place.
+    None: no row can place."""
+    prompt = max(1, features.prompt_tokens)
+    d_rows = [a.d_rows[i] for i in d_list]
+    need = prompt + features.max_tokens
+    net_l = [net_s.item(i) for i in d_list]
+    admit_l = [0.0 if r[_FREE] >= need else r[_WAIT] for r in d_rows]
+    d_tok, p_tok = tok  # prompt tokens cached, per decode and prefill row holding any
+    d_cached = [d_tok.get(i, 0) for i in d_list]
+    load = a.load
+    d_load = [load[i] for i in d_list]
+    d_pop, p_pop, p_inv = a.d_pop_list, a.p_pop_list, a.p_inv_l
     # Per candidate, what price_pairs takes (prefix_pairs prices them). Comprehensions, not
     # one loop of appends: this runs for every decision with prefix hits.
-    d_rows = [a.d_rows[i] for i in sel_l]
-    need = prompt + features.max_tokens
-    net_l = [net_s.item(i) for i in sel_l]
-    admit_l = [0.0 if r[_FREE] >= need else r[_WAIT] for r in d_rows]
-    d_cached = [d_tok.get(i, 0) for i in sel_l]
-    d_load = [load[i] for i in sel_l]
-    p_queue = [q if q > 0.0 else 0.0 for q in [p_end.item(j) - t for j in pset_l]]
-    d_pop, p_pop = a.d_pop_list, a.p_pop_list
     cands = Candidates(
         prompt, a.kv_bytes_per_token, a.chunk_tokens, cfg.work_weight,
         [n + ad + r[_PENALTY] for n, ad, r in zip(net_l, admit_l, d_rows)], d_cached,
         [r[_L_END] - t if r[_L_END] > t else 0.0 for r in d_rows],
         [r[_L_SPT] for r in d_rows],
         [prompt - c <= r[_L_MAX] for c, r in zip(d_cached, d_rows)],
-        d_load, [x <= d_bound for x in d_load], [d_pop[i] for i in sel_l],
-        [p_tok.get(j, 0) for j in pset_l], p_queue, [p_inv.item(j) for j in pset_l],
-        [q <= p_bound for q in p_queue], [p_pop[j] for j in pset_l], a.geo.rtt,
-        net.fixed_rtt_ms > 0,
+        d_load, [True] * len(d_list) if d_bound is None else [x <= d_bound for x in d_load],
+        [d_pop[i] for i in d_list], [p_tok.get(j, 0) for j in pset_l], p_queue,
+        [p_inv[j] for j in pset_l], [True] * len(pset_l), [p_pop[j] for j in pset_l],
+        a.geo.rtt, net.fixed_rtt_ms > 0,
     )  # fmt: skip
+    chosen = choose(cands, net, cfg.near_tie_s, rng, limit)
+    if not chosen:
+        return None
     out = []
-    for ch in choose(cands, net, cfg.near_tie_s, rng, limit):
-        di = sel_l[ch.d]
-        d = a.d[di]
+    for ch in chosen:
+        d = a.d[d_list[ch.d]]
         prefill = a.p[pset_l[ch.prefill]] if ch.prefill >= 0 else None
         if prefill is not None and prefill.url == d.url:
             prefill = None  # a `both` daemon chosen as its own prefill peer is local prefill
