@@ -85,8 +85,9 @@ def step_rows(model: CausalLM, budget_s: float) -> list[dict]:
     """A decode step's projections (every packed weight) as routed, against oneDNN only."""
     pairs = [pair for group in projections(model).values() for pair in group]
     rows_out: list[dict] = []
-    for rows in (1, 2, 4, 8) if pairs else ():  # none for bf16 weights (oneDNN only)
-        xs = {w.in_features: torch.randn(rows, w.in_features) for _, w in pairs}
+    for rows in (1, 2, 4, 8) if pairs else ():  # none where no weight has panels
+        dtype = pairs[0][1].panels.dtype
+        xs = {w.in_features: torch.randn(rows, w.in_features).to(dtype) for _, w in pairs}
 
         def onednn(xs: dict = xs) -> None:
             for packed, skinny in pairs:

@@ -21,6 +21,8 @@ from edgeinfer.daemon.engine import cpu_attention, kernel_trials
 from edgeinfer.daemon.engine import linear as linear_module
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.model import CausalLM
+from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
 from edgeinfer.kernels import decoder_pointwise, kernel_choice, skinny_gemm
@@ -231,3 +233,32 @@ async def test_state_reports_the_choices(aiohttp_client: Any, tmp_path: Path) ->
     if kernel_choice.verdicts():  # a host with a compiler measured something
         entry = next(iter(state["kernels"].values()))
         assert {"baseline", "margin", "chosen", "kept_baseline"} <= set(entry)
+
+
+def test_bf16_projections_are_timed_in_bf16_and_a_slowed_kernel_is_not_chosen(
+    tmp_path, monkeypatch
+):
+    require_native("skinny_gemm")
+    if not skinny_gemm.takes_bf16() or not linear_module.can_pack(
+        torch.ones(1, dtype=torch.bfloat16)
+    ):
+        pytest.skip("no AVX512-BF16 kernel (or no bf16 oneDNN) here: bf16 stays on oneDNN")
+    cfg = ModelConfig.from_dict(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96}
+        | {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+        | {"vocab_size": 300, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+    )
+    model = CausalLM(cfg).to(torch.bfloat16)
+    model.fuse_projections()
+    model.pack_weights()
+    groups = kernel_trials.projections(model)
+    assert groups and all(w.panels.dtype == torch.bfloat16 for g in groups.values() for _, w in g)
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", _slowed(skinny_gemm.skinny_linear))
+    sizes = kernel_trials.Sizes(torch.bfloat16, block_size=16, max_num_seqs=8, max_tokens=64)
+    chooser = Chooser(1, path=tmp_path / "c.json")
+    sets = kernel_trials.skinny_sets(model, sizes)
+    assert len(sets) == len(groups)
+    for s in sets:
+        assert all("bfloat16" in t.case for _, t, _ in s.trials)
+        s.apply(SizeRoute({size: chooser.decide(t).chosen for size, t, _ in s.trials}))
+    assert kernel_trials.projections(model) == {}  # every bf16 copy lost, its panels given back

@@ -237,6 +237,17 @@ def test_every_kernel_at_every_target(at_march):
             got = skinny_gemm.skinny_linear(x, prepared, b)
             expected = torch.nn.functional.linear(x.double(), w.double(), b.double())
             torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    # bfloat16 weights: the AVX512-BF16 kernel where the target has it; v2 and v3 build without
+    if at_march != "native":
+        assert not skinny_gemm.takes_bf16()
+        assert skinny_gemm.prepare(torch.randn(32, 16).bfloat16()) is None
+    elif skinny_gemm.takes_bf16():
+        w, x = torch.randn(37, 101, generator=gen).bfloat16(), torch.randn(3, 101, generator=gen)
+        prepared = skinny_gemm.prepare(w)
+        assert prepared is not None
+        got = skinny_gemm.skinny_linear(x.bfloat16(), prepared)
+        expected = torch.nn.functional.linear(x.bfloat16().double(), w.double())
+        torch.testing.assert_close(got.double(), expected, rtol=2**-8, atol=1e-3)
     for dtype in (torch.float32, torch.bfloat16):
         tol = (
             {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}

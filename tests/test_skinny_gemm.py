@@ -1,5 +1,5 @@
-"""The compiled few-row matmul (decode steps of up to eight sequences) against torch, and the
-engine's routing of such steps to it."""
+"""The compiled few-row matmul (decode steps of up to eight sequences) against torch, in float32
+and (where the build has AVX512-BF16) bfloat16, and the engine's routing of such steps to it."""
 
 from __future__ import annotations
 
@@ -61,8 +61,55 @@ def test_skinny_linear_takes_views_and_leading_dims():
     assert skinny_gemm.skinny_linear(torch.empty(0, 32), prepared).shape == (0, 24)
 
 
+def _bf16_built() -> None:
+    if not skinny_gemm.takes_bf16():
+        pytest.skip("this build has no AVX512-BF16: bfloat16 weights stay on oneDNN")
+
+
+@pytest.mark.parametrize("rows", list(range(1, 9)))
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    # whole tiles; a partial last panel and an odd input count; tiny; one panel; the LM head's
+    [(960, 576), (37, 101), (5, 17), (16, 8), (1000, 64)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_skinny_linear_matches_torch(rows, out_features, in_features, bias):
+    _bf16_built()
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    prepared = skinny_gemm.prepare(w)
+    assert prepared is not None and prepared.panels.dtype == torch.bfloat16
+    y = skinny_gemm.skinny_linear(x, prepared, b)
+    assert y.shape == (rows, out_features) and y.dtype == torch.bfloat16
+    # float32 sums of exact products, rounded once to bfloat16: within half a bf16 step of the
+    # exact result, as torch's own bf16 linear is
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = {"rtol": 2**-8, "atol": 1e-3}
+    torch.testing.assert_close(y.double(), exact, **tol)
+    torch.testing.assert_close(y.double(), F.linear(x, w, b).double(), rtol=2**-7, atol=1e-3)
+
+
+def test_bf16_takes_views_and_refuses_float32_input():
+    _bf16_built()
+    w = torch.randn(24, 33).bfloat16()
+    prepared = skinny_gemm.prepare(w)
+    assert prepared is not None
+    x = torch.randn(2, 1, 50).bfloat16()[..., 8:41]  # rows strided, columns contiguous
+    expected = F.linear(x.double(), w.double())
+    torch.testing.assert_close(
+        skinny_gemm.skinny_linear(x, prepared).double(), expected, rtol=2**-8, atol=1e-3
+    )
+    with pytest.raises(ValueError, match="does not fit"):
+        skinny_gemm.skinny_linear(torch.randn(1, 33), prepared)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_gemm.skinny_linear(x, prepared, torch.randn(24))
+
+
 def test_what_it_cannot_take_is_refused():
-    assert skinny_gemm.prepare(torch.randn(8, 16, dtype=torch.bfloat16)) is None
+    bf16 = skinny_gemm.prepare(torch.randn(8, 16, dtype=torch.bfloat16))
+    assert (bf16 is not None) == skinny_gemm.takes_bf16()
     assert skinny_gemm.prepare(torch.randn(8, 16, dtype=torch.float16)) is None
     assert skinny_gemm.prepare(torch.randn(16)) is None
     assert skinny_gemm.prepare(torch.empty(0, 16)) is None
@@ -78,15 +125,18 @@ def test_what_it_cannot_take_is_refused():
         skinny_gemm.skinny_linear(torch.randn(1, 16), prepared, torch.randn(7))
 
 
-def test_packed_layers_send_decode_steps_to_the_kernel(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_send_decode_steps_to_the_kernel(monkeypatch, dtype):
+    if dtype == torch.bfloat16:
+        _bf16_built()
     monkeypatch.setattr(linear_module, "ONEDNN_MIN_FLOAT32_WEIGHT", 0)
-    layer = Linear(64, 48)
-    x = torch.randn(12, 64)
+    layer = Linear(64, 48).to(dtype)
+    x = torch.randn(12, 64).to(dtype)
     with torch.no_grad():
         expected = layer(x)
         layer.pack()
     if layer.packed is None:
-        pytest.skip("torch without oneDNN: nothing is packed")
+        pytest.skip(f"torch without oneDNN (or its {dtype} matmul): nothing is packed")
     assert layer.skinny is not None and layer.weight.numel() == 0
     calls = []
     real = skinny_gemm.skinny_linear
@@ -96,5 +146,7 @@ def test_packed_layers_send_decode_steps_to_the_kernel(monkeypatch):
     with torch.no_grad():
         for rows in (1, 2, 8, 9, 12):
             got = layer(x[:rows])
-            torch.testing.assert_close(got, expected[:rows], rtol=1e-5, atol=1e-5)
+            assert got.dtype == dtype
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, expected[:rows], rtol=tol, atol=tol)
     assert calls == [1, 2, 8]  # more rows than the kernel takes stay on oneDNN

@@ -2,7 +2,8 @@
 model's shapes, and where each answer goes.
 
 * ``skinny_gemm`` against oneDNN's packed matmul: per projection shape (all the model's weights
-  of that shape, one after another, as a decode step streams them), at 1, 2, 4 and 8 rows.
+  of that shape, one after another, as a decode step streams them), at 1, 2, 4 and 8 rows, in
+  the model's dtype (float32, or bfloat16 where the build has the AVX512-BF16 kernel).
   Where it loses at every row count its panels are given back.
 * ``decoder_pointwise`` against the torch ops ``model.py`` and ``rope.py`` fall back to: each
   op (RMSNorm, residual add + RMSNorm, q/k rotation, SiLU * up) at 1, 8, 64, 512 ... tokens.
@@ -95,7 +96,7 @@ def skinny_sets(model: CausalLM, sizes: Sizes) -> list[TrialSet]:
         for rows in (r for r in SKINNY_ROWS if r <= min(sizes.max_num_seqs, pairs[0][1].max_rows)):
 
             def setup(rows: int = rows, in_f: int = in_f, pairs: list = pairs) -> tuple:
-                x = torch.randn(rows, in_f)
+                x = torch.randn(rows, in_f).to(pairs[0][1].panels.dtype)
 
                 def onednn() -> None:
                     for packed, _ in pairs:
@@ -107,7 +108,7 @@ def skinny_sets(model: CausalLM, sizes: Sizes) -> list[TrialSet]:
 
                 return onednn, skinny
 
-            case = f"{out_f}x{in_f} float32 x{len(pairs)}, {rows} rows"
+            case = f"{out_f}x{in_f} {_name(pairs[0][1].panels.dtype)} x{len(pairs)}, {rows} rows"
             trials.append((rows, Trial("skinny_gemm", case, "oneDNN", build, setup), True))
 
         def apply(route: SizeRoute, pairs: list = pairs) -> None:

@@ -14,13 +14,14 @@ bfloat16 weights are packed too where the CPU has bf16 dot products (AVX512-BF16
 there a whole SmolLM2 decode step's projections at 8 tokens took 10.5 ms against 18.1 ms in
 packed float32, and a 256-token prefill chunk's 81 ms against 186 ms (2 EPYC cores).
 
-float32 steps of up to eight rows (decode of up to eight sequences) can run on
+Steps of up to eight rows (decode of up to eight sequences) can run on
 :mod:`~edgeinfer.kernels.skinny_gemm` instead, which streams a copy of the weight laid out in
-panels closer to the memory's read bandwidth than oneDNN's matmul does (1.1-1.4x on SmolLM2's
-projections on the hosts it was written on): it runs at the shapes and row counts where it beat
-oneDNN at load (``kernel_trials``), and a weight where it never did gives its panels back. Until
-then such weights are held twice, in panels and packed (``EDGEINFER_NATIVE_KERNELS=0`` keeps only
-the packed copy). bf16 stays on oneDNN, whose bf16 dot products read faster.
+panels closer to the memory's read bandwidth than oneDNN's matmul does (float32: 1.1-1.4x on
+SmolLM2's projections on the hosts it was written on; bfloat16, where the build has AVX512-BF16:
+1.5x at one row): it runs at the shapes and row counts where it beat oneDNN at load
+(``kernel_trials``), and a weight where it never did gives its panels back. Until then such
+weights are held twice, in panels and packed (``EDGEINFER_NATIVE_KERNELS=0`` keeps only the
+packed copy).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float32 for a handful of rows M: the projections
-// of a decode step, which stream every weight byte once for a few dot products each.
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float32, or bfloat16 where the target has
+// AVX512-BF16, for a handful of rows M: the projections of a decode step, which stream every
+// weight byte once for a few dot products each.
 //
 // Built and loaded by edgeinfer/kernels/native_build.py; called through ctypes by
 // skinny_gemm.py, which checks shapes first and lays the weight out in panels (below). Runs on
@@ -21,10 +22,21 @@
 // Why not oneDNN: at 1-8 rows its packed matmul read SmolLM2's projections at 20-30 GB/s on 2
 // EPYC cores (small weights worst: ~40 us of fixed cost per call), where this reaches ~35-45.
 // Which one runs is measured per shape and row count at load (kernel_choice.py).
+//
+// bfloat16 (below the float32 kernel) uses the same tiles with vdpbf16ps; a target without
+// AVX512-BF16 (x86-64-v2, v3, most AVX-512 CPUs before Cooper Lake and Zen 4) builds without it
+// and reports a panel width of 0, and bfloat16 weights stay on oneDNN there. On SmolLM2's whole
+// decode step (2 Xeon cores with AMX, bf16) it read 26 GB/s at one row where oneDNN's bf16
+// matmul read 17.7.
 
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+
+#include "cpu_dtypes.h"
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -39,6 +51,11 @@ constexpr int64_t kPanel = 4;
 constexpr int64_t kRegisters = 16;
 #endif
 constexpr int64_t kMaxRows = 8;  // rows per call (more: callers use oneDNN)
+// Bytes ahead that each panel's stream is prefetched. A tile reads NB streams at once, each
+// crossing a 4 KiB page every few dozen steps, where the hardware prefetcher stops: on
+// SmolLM2's whole decode step (2 Xeon cores with AVX-512) this took bfloat16 at one row from
+// 22 to 26 GB/s (the host's copy bandwidth), float32 at 4 and 8 rows from 24 and 21 to 28 and 24.
+constexpr int64_t kPrefetch = 1024;
 
 typedef float vfloat __attribute__((vector_size(kPanel * sizeof(float))));
 
@@ -57,7 +74,10 @@ void tile(const float* x, int64_t x_stride, const float* panels, const float* bi
   const float* w = panels + p0 * K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
     vfloat wv[NB];
-    for (int64_t b = 0; b < NB; ++b) wv[b] = load(w + (b * K + k) * kPanel);
+    for (int64_t b = 0; b < NB; ++b) {
+      __builtin_prefetch(w + (b * K + k + kPrefetch / sizeof(vfloat)) * kPanel);
+      wv[b] = load(w + (b * K + k) * kPanel);
+    }
     for (int64_t m = 0; m < MB; ++m) {
       const float xm = x[m * x_stride + k];
       for (int64_t b = 0; b < NB; ++b) acc[m][b] += xm * wv[b];
@@ -150,12 +170,94 @@ void rows_of(const float* x, int64_t x_stride, const float* panels, const float*
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16: weights in panels of 16 outputs by pairs of inputs, [ceil(out / 16), ceil(in / 2),
+// 16, 2] (16 bits each, an odd input count padded with a zero weight): a panel's row k holds its
+// outputs' weights for inputs 2k and 2k + 1, side by side, so one vdpbf16ps multiplies it by the
+// broadcast pair (x[2k], x[2k + 1]) and adds both products into 16 float32 sums. The same
+// outer-product tiles as above, MB rows x NB panels of accumulators, each weight vector loaded
+// once for all rows; the result is rounded to bfloat16 (to nearest even, as torch casts).
+constexpr int64_t kBf16Panel = 16;
+
+template <int64_t MB>
+constexpr int64_t bf16_streams() {
+  constexpr int64_t fit = (32 - 1) / (MB + 1);
+  return fit > 8 ? 8 : fit;
+}
+
+// acc[m][b] += the products of input pairs [k0, k1) (pair k: inputs 2k, 2k + 1) for MB rows of
+// x and NB panels from w; `last` supplies the pair for k >= K / 2 (an odd K's last input and a
+// zero), every other pair is one 32-bit load of x, broadcast.
+template <int64_t MB, int64_t NB>
+inline void bf16_pairs(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs,
+                       int64_t k0, int64_t k1, bool last, __m512 (*acc)[NB]) {
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512bh wv[NB];
+    for (int64_t b = 0; b < NB; ++b) {
+      __builtin_prefetch(w + (b * pairs + k + kPrefetch / 64) * 2 * kBf16Panel);
+      wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + k) * 2 * kBf16Panel);
+    }
+    for (int64_t m = 0; m < MB; ++m) {
+      int32_t pair;
+      if (last)
+        pair = x[m * x_stride + 2 * k];
+      else
+        std::memcpy(&pair, x + m * x_stride + 2 * k, sizeof pair);
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
+      for (int64_t b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xm);
+    }
+  }
+}
+
+template <int64_t MB, int64_t NB>
+void bf16_tile(const uint16_t* x, int64_t x_stride, const uint16_t* panels, const uint16_t* bias,
+               int64_t K, int64_t N, int64_t p0, uint16_t* y) {
+  const int64_t pairs = (K + 1) / 2;
+  __m512 acc[MB][NB];
+  for (int64_t m = 0; m < MB; ++m)
+    for (int64_t b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  const uint16_t* w = panels + p0 * pairs * 2 * kBf16Panel;
+  bf16_pairs<MB, NB>(x, x_stride, w, pairs, 0, K / 2, false, acc);
+  if (K % 2) bf16_pairs<MB, NB>(x, x_stride, w, pairs, K / 2, pairs, true, acc);
+  for (int64_t b = 0; b < NB; ++b) {
+    const int64_t n0 = (p0 + b) * kBf16Panel;
+    const int64_t width = N - n0 < kBf16Panel ? N - n0 : kBf16Panel;
+    const __mmask16 lanes = __mmask16((1u << width) - 1);
+    float widened[kBf16Panel] = {};
+    for (int64_t i = 0; bias && i < width; ++i) widened[i] = edgeinfer::widen(bias[n0 + i]);
+    const __m512 add = _mm512_loadu_ps(widened);
+    for (int64_t m = 0; m < MB; ++m) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b], add));
+      _mm256_mask_storeu_epi16(y + m * N + n0, lanes, (__m256i)out);
+    }
+  }
+}
+
+template <int64_t MB>
+void bf16_rows_of(const uint16_t* x, int64_t x_stride, const uint16_t* panels,
+                  const uint16_t* bias, int64_t K, int64_t N, uint16_t* y, int threads) {
+  constexpr int64_t NB = bf16_streams<MB>();
+  const int64_t count = (N + kBf16Panel - 1) / kBf16Panel;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t first = count * t / nt, last = count * (t + 1) / nt;
+    int64_t p = first;
+    for (; p + NB <= last; p += NB) bf16_tile<MB, NB>(x, x_stride, panels, bias, K, N, p, y);
+    for (; p < last; ++p) bf16_tile<MB, 1>(x, x_stride, panels, bias, K, N, p, y);
+  }
+}
+#else
+constexpr int64_t kBf16Panel = 0;  // no bf16 dot products in this build: the caller uses oneDNN
+#endif
+
 }  // namespace
 
 extern "C" {
 
 int64_t edgeinfer_skinny_max_rows() { return kMaxRows; }
 int64_t edgeinfer_skinny_panel() { return kPanel; }
+int64_t edgeinfer_skinny_bf16_panel() { return kBf16Panel; }
 
 // panels: [ceil(out / width), in, width], outputs past `out` zero (width: edgeinfer_skinny_panel).
 // Returns 0, or 1 when the sizes are out of range (nothing written).
@@ -175,6 +277,32 @@ int edgeinfer_skinny_gemm_f32(const float* x, int64_t x_stride, const float* pan
     default: rows_of<8>(x, x_stride, panels, bias, in, out, y, threads); break;
   }
   return 0;
+}
+
+// The same in bfloat16 (x, bias and y as their 16 bits), panels as above bf16_tile. Returns 0,
+// 1 when the sizes are out of range, 2 where this build has no bf16 kernel (nothing written).
+int edgeinfer_skinny_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* panels,
+                               const uint16_t* bias, int64_t rows, int64_t in, int64_t out,
+                               uint16_t* y, int threads) {
+#if defined(__AVX512BF16__)
+  if (rows < 0 || rows > kMaxRows || in < 1 || out < 1) return 1;
+  switch (rows) {
+    case 0: break;
+    case 1: bf16_rows_of<1>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 2: bf16_rows_of<2>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 3: bf16_rows_of<3>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 4: bf16_rows_of<4>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 5: bf16_rows_of<5>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 6: bf16_rows_of<6>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 7: bf16_rows_of<7>(x, x_stride, panels, bias, in, out, y, threads); break;
+    default: bf16_rows_of<8>(x, x_stride, panels, bias, in, out, y, threads); break;
+  }
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)panels, (void)bias, (void)rows, (void)in, (void)out, (void)y;
+  (void)threads;
+  return 2;
+#endif
 }
 
 }  // extern "C"
