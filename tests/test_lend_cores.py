@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -45,8 +45,8 @@ def test_steps_run_on_one_thread_while_cores_are_lent(engine: LLMEngine) -> None
             return steps
 
         try:
-            with runner.lend_cores():
-                with runner.lend_cores():
+            async with runner.lend_cores():
+                async with runner.lend_cores():
                     nested = await generate("nested")
                 outer = await generate("outer")  # the outer block still lends
             return nested, outer, await generate("after")
@@ -59,14 +59,42 @@ def test_steps_run_on_one_thread_while_cores_are_lent(engine: LLMEngine) -> None
     assert after and set(after) == {2}
 
 
+def test_lending_waits_out_a_step_already_running_on_every_thread(engine: LLMEngine) -> None:
+    """From the moment the block starts, no step runs on two threads: not even the one that
+    was running when it asked."""
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+    async def main() -> tuple[list[int], int]:
+        runner = AsyncEngine(engine)
+        seen: list[int] = []
+        runner.on_step = lambda *_: seen.append(torch.get_num_threads())
+        runner.start()
+        try:
+            stream = runner.generate("long", list(range(5, 200)), params)
+            await anext(stream)  # prefilled: decode steps on two threads from here
+            async with runner.lend_cores():
+                entered = len(seen)
+                for _ in range(8):
+                    await anext(stream)
+            async for _ in stream:
+                pass
+            return seen, entered
+        finally:
+            await runner.stop()
+
+    seen, entered = asyncio.run(main())
+    assert 2 in seen[:entered]
+    assert set(seen[entered : entered + 8]) == {1}
+
+
 def test_large_bodies_are_admitted_one_at_a_time_and_lend_cores() -> None:
     async def main() -> tuple[list[str], list[str]]:
         pool = TokenizePool(workers=1)
         events: list[str] = []
         lent: list[str] = []
 
-        @contextlib.contextmanager
-        def lend() -> Iterator[None]:
+        @contextlib.asynccontextmanager
+        async def lend() -> AsyncIterator[None]:
             lent.append("lend")
             yield
             lent.append("back")

@@ -65,7 +65,7 @@ class TokenizePool:
     async def admitted(
         self,
         content_length: int | None,
-        lend: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        lend: Callable[[], contextlib.AbstractAsyncContextManager[None]] = contextlib.nullcontext,
     ) -> AsyncIterator[None]:
         """Hold a slot for the block (reading and parsing the body) when the body is large,
         and run the block inside ``lend()`` once the slot is held; then keep the slot, idle,
@@ -77,7 +77,7 @@ class TokenizePool:
         async with self._large:
             start = loop.time()
             try:
-                with lend():
+                async with lend():
                     yield
             finally:
                 # A refused body cost as much as an accepted one, so both are paced.
