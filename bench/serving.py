@@ -28,12 +28,17 @@ with ``--quick``), keyed by workload and setup, so a partial rerun keeps the oth
     .venv/bin/python bench/serving.py --setup both --workload c8 --url http://127.0.0.1:8000
     .venv/bin/python bench/serving.py --quick               # tiny model, about a minute
     .venv/bin/python bench/serving.py --setup both --vs-vllm --workload c8 --model overhead
+    .venv/bin/python bench/serving.py --setup both,pd --workload long --load 0.5
+
+``--load F`` sets each open-loop workload's rate from the host instead of a constant: F times
+the colocated setup's capacity for that workload, measured first in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import platform
 import sys
@@ -49,6 +54,8 @@ from serving_setups import SETUPS, VLLM_SETUPS, cores, launch
 from serving_workloads import WORKLOADS, Workload, build
 
 RESULTS_DIR = Path(__file__).parent / "results"
+# The capacity runs' seed offset: prompts no measured repeat sends.
+CAPACITY_SEED = 1000
 OVERHEAD_MODEL = "overhead"
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "azure_llm_2023"
 # long: 0.4 req/s since the fourth session. Prefill got ~4x faster (bf16, one OpenMP team), and
@@ -93,6 +100,32 @@ async def measure(target: Target, wl: Workload) -> dict[str, Any]:
     return summary
 
 
+async def capacities(
+    targets: dict[str, Target], args: argparse.Namespace, options: dict[str, Any]
+) -> dict[str, float]:
+    """Each open-loop workload's capacity on the colocated setup: requests per second when
+    its requests (other prompts than the measured runs', so no prefix cache helps) run in a
+    closed loop of ``--capacity-streams`` streams, enough to keep both cores busy."""
+    ref = targets.get("both")
+    if ref is None:
+        raise SystemExit("--load needs the 'both' setup: the rates are fractions of its capacity")
+    out = {}
+    probes = build(args.workload, seed=args.seed + CAPACITY_SEED, **options)
+    for wl in probes:
+        if wl.concurrency is not None:
+            continue  # a closed loop has no rate to set
+        closed = dataclasses.replace(wl, concurrency=args.capacity_streams)
+        t = time.monotonic()
+        results, _ = await drive(ref, closed)
+        done = sum(r.error is None for r in results)
+        out[wl.name] = done / (time.monotonic() - t)
+        console.print(
+            f"[bold]capacity[/] {wl.name}: {out[wl.name]:.3f} req/s on both "
+            f"({done} requests, {args.capacity_streams} streams); offered at {args.load:g}x"
+        )
+    return out
+
+
 async def run(args: argparse.Namespace) -> None:
     if args.model == OVERHEAD_MODEL:
         model_dir = overhead_model()
@@ -111,8 +144,6 @@ async def run(args: argparse.Namespace) -> None:
     # but no repeat sends prompts an earlier one sent (their prefix caches would answer them).
     options = {"quick": args.quick, "rates": rates, "concurrency": args.concurrency,
                "trace_dir": args.trace_dir, "trace": args.trace, "slo": slo}  # fmt: skip
-    per_repeat = [build(args.workload, seed=args.seed + k, **options) for k in range(args.repeat)]
-    workloads = per_repeat[0]
     out_path = args.out or RESULTS_DIR / ("serving_quick.json" if args.quick else "serving.json")
     stored = load_results(out_path)
     started = time.monotonic()
@@ -120,7 +151,7 @@ async def run(args: argparse.Namespace) -> None:
         "argv": sys.argv[1:],
         "model_dir": str(model_dir),
         "setups": list(setups),
-        "workloads": [w.name for w in workloads],
+        "workloads": list(args.workload),
         "seed": args.seed,
         "cores": cores()[2],
         "machine": platform.machine(),
@@ -147,6 +178,15 @@ async def run(args: argparse.Namespace) -> None:
         targets = {setup: await target_of(url, model_dir) for setup, url in apis.items()}
         for target in targets.values():
             await warm_up(target, args.quick)
+        if args.load:
+            meta["load_fraction"] = args.load
+            meta["capacity_req_s"] = await capacities(targets, args, options)
+            for name, capacity in meta["capacity_req_s"].items():
+                rates[name] = args.load * capacity
+            meta["rates_req_s"] = {k: rates[k] for k in meta["capacity_req_s"]}
+        per_repeat = [
+            build(args.workload, seed=args.seed + k, **options) for k in range(args.repeat)
+        ]
         for rep, rep_workloads in enumerate(per_repeat):
             for wl in rep_workloads:
                 for setup, target in targets.items():
@@ -214,6 +254,15 @@ def main() -> None:
         p.add_argument(f"--{wl}-rate", type=float, default=rate, help=f"{wl}: mean req/s")
     p.add_argument("--trace", choices=("conv", "code"), default="conv")
     p.add_argument("--trace-dir", type=Path, default=TRACE_DIR)
+    p.add_argument(
+        "--load",
+        type=float,
+        help="offer each open-loop workload at this fraction of the colocated setup's measured "
+        "capacity (measured first, in the same run) instead of its fixed --<workload>-rate",
+    )
+    p.add_argument(
+        "--capacity-streams", type=int, default=4, help="streams of the capacity measurement"
+    )
     p.add_argument("--slo-ttft-s", type=float, help="override every workload's TTFT SLO")
     p.add_argument("--slo-itl-ms", type=float, help="override every workload's p99 ITL SLO")
     p.add_argument("--seed", type=int, default=0)
