@@ -52,6 +52,10 @@ class Shape(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+# The daemon's answers to a body that is no JSON object (request_body.load_json says the same).
+NOT_JSON = "the request body is not valid JSON: {}"
+NOT_AN_OBJECT = "the request body must be a JSON object"
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Shape)
 
@@ -61,9 +65,9 @@ def shape_of(raw: bytes | bytearray | memoryview) -> Shape:
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        return Shape(error=f"the request body is not valid JSON: {exc}")
+        return Shape(error=NOT_JSON.format(exc))
     if not isinstance(body, dict):
-        return Shape(error="the request body must be a JSON object")
+        return Shape(error=NOT_AN_OBJECT)
     long: dict[str, Long] = {}
     nonce = secrets.token_hex(8)
 

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 from aiohttp import hdrs, web
 
-from edgeinfer.daemon.api.body_shape import Long, Shape, decode_shape
+from edgeinfer.daemon.api.body_shape import NOT_AN_OBJECT, NOT_JSON, Long, Shape, decode_shape
 from edgeinfer.daemon.api.body_worker import FRAME, READY, SIZE
 from edgeinfer.daemon.api.errors import APIError
 
@@ -55,9 +55,9 @@ def load_json(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
         # holds the GIL (the event loop and the engine thread wait) from start to end.
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+        raise APIError(400, NOT_JSON.format(exc)) from exc
     if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+        raise APIError(400, NOT_AN_OBJECT)
     return body
 
 
