@@ -260,6 +260,13 @@ def test_drain_under_load_loses_nothing_and_undrain_restores(world: World) -> No
 
 
 def test_killed_daemon_is_retried_elsewhere_not_a_client_error(world: World) -> None:
+    # The earlier tests' load can leave a Changchun client placed elsewhere for a while (load
+    # in cgq's last heartbeat, prefixes cached in lhr and sea): wait until cgq is its choice,
+    # so the request below is really sent to the killed daemon.
+    deadline = time.monotonic() + 30
+    while chat(world.router.url, "Hi", xff=CHANGCHUN, max_tokens=1).decode_pop != "cgq":
+        assert time.monotonic() < deadline, "a Changchun client never placed on cgq"
+        time.sleep(0.2)
     world.cgq.kill()  # SIGKILL: its last heartbeat still says it is fine for ~1 s
     reply = chat(world.router.url, "Hi", xff=CHANGCHUN, max_tokens=4)
     assert reply.ok, reply
