@@ -184,7 +184,12 @@ def hostile_clients(
     url: str, model: str, mib: float, duration: float, ready: Any, results: Any
 ) -> None:
     """In a process of its own, like clients on other machines: the measuring client's event
-    loop must not be the one busy sending 16 MiB bodies (sent from files: see post_until)."""
+    loop must not be the one busy sending 16 MiB bodies (sent from files: see post_until).
+    And in a session of its own: with the kernel's autogroup scheduling (on by default on
+    desktop and many server kernels) a session shares its CPU among its threads, so four
+    sending threads in the measuring client's session would starve its event loop, and the
+    gaps measured would be the client's, not the daemon's."""
+    os.setsid()
     with tempfile.TemporaryDirectory(prefix="hostile-bodies-") as tmp:
         files = []
         for i, (path, body) in enumerate(hostile_bodies(model, mib)):

@@ -85,6 +85,7 @@ class DaemonConfig:
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     num_threads: int | None = EngineConfig.num_threads
     decode_threads: int | None = EngineConfig.decode_threads
+    bind_threads: bool = EngineConfig.bind_threads
     compressed_weights: CompressedWeights = EngineConfig.compressed_weights
     tensor_parallel: int = EngineConfig.tensor_parallel  # worker processes: tp x pp ranks
     pipeline_parallel: int = EngineConfig.pipeline_parallel
@@ -198,6 +199,7 @@ class DaemonConfig:
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_threads=self.engine_threads(),
                 decode_threads=self.decode_threads,
+                bind_threads=self.bind_threads,
                 compressed_weights=self.compressed_weights,
                 tensor_parallel=self.tensor_parallel,
                 pipeline_parallel=self.pipeline_parallel,

@@ -233,6 +233,8 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if isinstance(self.engine.runner, ModelRunner):
+                self.engine.runner.bind_threads()  # this thread steps: its team, bound
             while not self._stopping:
                 self.engine.check_health()  # a dead worker rank fails the engine, even idle
                 self._run_commands()

@@ -44,6 +44,9 @@ class EngineConfig:
     # Threads for steps that only decode (memory-bound on the CPU); None: num_threads. Fewer
     # can leave a core to other work on the host while prefill steps still use every core.
     decode_threads: int | None = None
+    # Bind the stepping thread's torch threads one per CPU when they are as many as the CPUs
+    # this process may use (engine/thread_binding.py); off for hosts shared some other way.
+    bind_threads: bool = True
     compressed_weights: CompressedWeights = "decompress_at_load"
     # tensor_parallel x pipeline_parallel ranks, one process (and GPU) each; see
     # engine/parallel. Above 1 x 1, kv_cache_bytes is each rank's budget.

@@ -26,6 +26,7 @@ from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding
 from edgeinfer.daemon.engine.scheduler import ScheduledBatch
 from edgeinfer.daemon.engine.sequence import Sequence
+from edgeinfer.daemon.engine.thread_binding import bind_omp_team
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ModelRunner:
         # torch intra-op threads per step kind (CPU): (decode-only steps, steps with prefill).
         every = cfg.num_threads or torch.get_num_threads()
         self._threads = (cfg.decode_threads or every, every)
+        self._bind_threads = cfg.bind_threads
         # The most threads a step may use for now (None: no cap); AsyncEngine.lend_cores.
         self.thread_cap: int | None = None
         self.model = self._load(model_cfg, model_dir, cfg)
@@ -134,6 +136,18 @@ class ModelRunner:
 
     def check_health(self) -> None:
         """Nothing to check: a single-process runner has no worker that could die."""
+
+    def bind_threads(self) -> list[int] | None:
+        """Bind the calling thread's torch threads, one per CPU (the thread that steps calls
+        it: :mod:`~edgeinfer.daemon.engine.thread_binding` says when it binds); the CPUs, or
+        None where nothing was bound."""
+        if self.device.type != "cpu" or not self._bind_threads:
+            return None
+        threads = max(self._threads)
+        cpus = bind_omp_team(threads)
+        if cpus is not None:
+            log.info("torch threads of the engine thread bound to CPUs %s", cpus)
+        return cpus
 
     # ---- one step -------------------------------------------------------------------
     @torch.inference_mode()
