@@ -33,18 +33,18 @@ _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 def _loaded_libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process has loaded (torch's own copy), or None."""
+    """The libgomp this process has loaded (torch's own copy first, should a system copy be
+    loaded beside it), or None."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
-    for line in maps.splitlines():
-        path = line.rpartition(" ")[2]
-        if "/libgomp" in path and ".so" in path:
-            try:
-                return ctypes.CDLL(path)  # already loaded: the same instance torch uses
-            except OSError:
-                return None
+    paths = {p for line in maps.splitlines() if "/libgomp" in (p := line.rpartition(" ")[2])}
+    for path in sorted(paths, key=lambda p: "/torch/" not in p):
+        try:
+            return ctypes.CDLL(path)  # already loaded: the same instance torch uses
+        except OSError:
+            continue
     return None
 
 
