@@ -56,7 +56,6 @@ def test_a_team_as_large_as_the_cpus_is_bound_one_thread_per_cpu() -> None:
         def bind():
             cpus = bind_omp_team(2)
             me = threading.get_native_id()
-            before = set(affinities())
             torch.ones(256, 256) @ torch.ones(256, 256)  # the team it bound runs this
             mine = affinities()[me]
             pinned = sorted(a for t, a in affinities().items() if t != me and len(a) == 1)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -62,20 +61,18 @@ def bind_omp_team(threads: int) -> list[int] | None:
         return None
     thread_num = gomp.omp_get_thread_num
     thread_num.restype = ctypes.c_int
+    # Appended to by every thread of the team: each callback holds the GIL while it runs.
     bound: list[int] = []
     failed: list[BaseException] = []
-    lock = threading.Lock()
 
     def bind(_: int | None) -> None:
         i = thread_num()
         try:
             os.sched_setaffinity(0, {cpus[i]})  # 0: this thread (Linux affinity is per thread)
         except (OSError, IndexError) as exc:
-            with lock:
-                failed.append(exc)
+            failed.append(exc)
             return
-        with lock:
-            bound.append(cpus[i])
+        bound.append(cpus[i])
 
     callback = _CALLBACK(bind)
     parallel = gomp.GOMP_parallel
