@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections import Counter
 
+import pytest
+
+from edgeinfer.router.inflight import RECENT_S, PlacementLedger
 from edgeinfer.router.load_arrays import PlacementConfig
+from edgeinfer.router.prefix_scoring import rank
 from edgeinfer.router.selector import PrefixHits, RequestFeatures, record_placement, select
 from edgeinfer.router.session_affinity import AffinityRing, affinity_key
 from test_router_selector import LONDON, NET, World
@@ -71,6 +76,51 @@ def test_equal_hits_spread_by_load_and_the_guard_caps_a_hot_prefix() -> None:
     # under_bound's one request of slack, and the request that is then placed there.
     assert max(got.values()) <= 1.25 * mean + 2, got
     assert got[URLS[0]] > 0 and got[URLS[1]] > 0
+
+
+def test_first_turns_sharing_a_system_prompt_spread_evenly_over_its_holders() -> None:
+    # Every daemon holds the system prompt and is idle when each conversation starts (the
+    # previous answers are in): loads tie, so recent placements decide, and each daemon takes
+    # the same number of conversations (two random choices gave 4/3/3/2 at seed 0).
+    for seed in range(8):
+        w = _world(prefill_tokens_per_s=2000.0)
+        got: Counter[str] = Counter()
+        for i in range(12):
+            f = _hits(1100, dict.fromkeys(URLS, 64))
+            best = _place(w, f, seed=seed * 100 + i)[0]
+            record_placement(w.reg.pending, best, f, w.now)
+            got[best.decode.url] += 1
+            w.now += 10.0  # the answer is in: the next heartbeats show every daemon idle
+            for u in URLS:
+                w.beat(u, running=0, in_flight=0, prefill_tokens_per_s=2000.0)
+        assert sorted(got.values()) == [3, 3, 3, 3], (seed, got)
+
+
+def test_ties_go_to_the_least_loaded_then_the_least_recently_used() -> None:
+    ttft = [1.0, 1.0, 1.005, 1.01, 2.0]
+    load = [2.0, 0.0, 1.0, 0.0, 0.0]
+    allowed = [True] * 5
+    recent = [0.0, 3.0, 0.0, 1.0, 0.0]
+    for seed in range(20):
+        order = rank(ttft, load, allowed, 0.02, random.Random(seed), 5, None, recent.__getitem__)
+        assert order[0] == 3, order  # least loaded of the near-ties, then least recent
+        assert order[1:] == [0, 1, 2, 4]
+    # Without recent placements, equal loads are drawn at random.
+    firsts = {rank(ttft, load, allowed, 0.02, random.Random(s))[0] for s in range(40)}
+    assert firsts == {1, 3}
+
+
+def test_the_ledger_counts_recent_placements_with_decay() -> None:
+    ledger = PlacementLedger(report_lag_s=1.0)
+    assert ledger.recent("d", 0.0) == 0.0
+    ledger.record(10.0, "d", "p", 100, 200, 0.01, 0.02, 0.05)
+    ticket = ledger.record(10.0, "d", None, 100, 200, 0.01, 0.0, 0.05)
+    assert ledger.recent("d", 10.0) == 2.0 and ledger.recent("p", 10.0) == 0.0
+    assert ledger.recent("d", 10.0 + RECENT_S) == pytest.approx(2.0 / math.e)
+    ledger.record(5.0, "d", None, 100, 200, 0.01, 0.0, 0.05)  # late: no decay backwards
+    assert ledger.recent("d", 10.0) == 3.0
+    ledger.cancel(ticket)  # it never got there
+    assert ledger.recent("d", 10.0) == pytest.approx(2.0)
 
 
 def test_without_hits_the_prefix_blind_path_is_taken() -> None:

@@ -19,7 +19,13 @@ it twice; dropping it at the first heartbeat would lose the ones still on their 
 
 Each router knows only its own placements: with several routers behind anycast each corrects
 for its share of the traffic, and the two-random-choices tie-break in the selector covers the
-rest. The selector reads the totals when it builds its arrays for a snapshot and the journal of
+rest.
+
+The ledger also keeps, per decode daemon, how many requests this router sent it lately (each
+weighted ``exp(-age / RECENT_S)``, :meth:`recent`): the share of recent traffic a daemon took,
+which breaks the prefix path's ties when loads are equal. With a few requests in flight, loads
+are small counts and often equal, and a conversation stays where its first turn went, so a
+first turn placed by load alone can leave one daemon with twice another's conversations. The selector reads the totals when it builds its arrays for a snapshot and the journal of
 changes since then per decision (``version``, :meth:`changes_since`).
 """
 
@@ -31,6 +37,9 @@ from collections.abc import Iterator, Sequence
 
 # One change to a daemon's pending load: url, sequences, KV tokens, prefill tokens, and when.
 Change = tuple[str, float, float, float, float]
+# recent()'s time constant: long beside a request (the count is a share of traffic, not what is
+# in flight), short beside a deployment's traffic shifts.
+RECENT_S = 60.0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -62,6 +71,7 @@ class PlacementLedger:
         self._journal: list[Change] = []
         self._base = 0  # version of the first journal entry kept
         self._now = 0.0  # the latest time any caller told us
+        self._recent: dict[str, tuple[float, float]] = {}  # decode url -> (count, as of when)
 
     @property
     def version(self) -> int:
@@ -82,6 +92,15 @@ class PlacementLedger:
         daemon works them off as the seconds pass, so pending tokens are not all still queued.
         (-inf when none.) The selector adds what is left of it to the reported queue."""
         return self._ends.get(url, -math.inf)
+
+    def recent(self, url: str, now: float) -> float:
+        """Requests this router placed on decode daemon ``url``, each weighted by
+        ``exp(-age / RECENT_S)`` (0.0 for one it never used)."""
+        r = self._recent.get(url)
+        if r is None:
+            return 0.0
+        count, at = r
+        return count * math.exp((at - now) / RECENT_S) if now > at else count
 
     def changes_since(self, version: int) -> list[Change] | None:
         """Changes after ``version``; None if the journal was trimmed past it (rebuild)."""
@@ -115,6 +134,9 @@ class PlacementLedger:
                 _Entry(decode, now, decode_lag_s, 1, kv_tokens, 0, 0.0),
                 _Entry(prefill, now, prefill_lag_s, 0, 0, prompt_tokens, prefill_s),
             )
+        prev = self._recent.get(decode)
+        at = now if prev is None or now > prev[1] else prev[1]  # times may arrive out of order
+        self._recent[decode] = (self.recent(decode, at) + 1.0, at)
         for e in entries:
             self._entries.setdefault(e.url, []).append(e)
             self._add(e, 1.0)
@@ -125,6 +147,10 @@ class PlacementLedger:
     def cancel(self, ticket: Ticket) -> None:
         """The request never got there (connect failure) or was refused (a 503)."""
         for e in ticket.entries:
+            if e.seqs and (r := self._recent.get(e.url)) is not None:
+                at = max(r[1], self._now)
+                gone = math.exp((e.placed_at - at) / RECENT_S)
+                self._recent[e.url] = (max(0.0, self.recent(e.url, at) - gone), at)
             mine = self._entries.get(e.url, [])
             if e in mine:  # identity (eq=False); a heartbeat may already have absorbed it
                 mine.remove(e)

@@ -114,6 +114,7 @@ class LoadArrays:
         pending: PlacementLedger | None, now: float | None,
     ) -> None:  # fmt: skip
         self.cfg, self.geo = cfg, geo
+        self.pending = pending  # read at decision time too: recent placements break ties
         self.version = pending.version if pending is not None else 0
         t = now if now is not None else 0.0
         age = pending.report_lag_s / 2 if pending is not None else 0.0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from collections.abc import Callable
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -73,6 +74,8 @@ class Candidates(NamedTuple):
     # Whether every RTT between two PoPs is > 0 (so a pair is "far", price_pairs' rtt > 0, iff
     # its PoPs differ: the scalar path's bounds rely on it). NetworkModel.fixed_rtt_ms > 0.
     apart: bool = True
+    # This router's recent placements on D (by index into d_*): rank's tie-break at equal loads.
+    d_recent: Callable[[int], float] | None = None
 
 
 class PairChoice(NamedTuple):
@@ -119,10 +122,10 @@ def choose_vector(
     saved = c.prompt - prices.computed_tokens + d_cached
     load = np.asarray(c.d_load, dtype=np.float64)
     order = rank(prices.score_s, load, np.asarray(c.d_ok, dtype=bool), near_tie_s, rng, limit,
-                 saved)  # fmt: skip
+                 saved, c.d_recent)  # fmt: skip
     if not order:  # every candidate above the bound: the least bad of them all the same
         allowed = np.ones(len(load), dtype=bool)
-        order = rank(prices.score_s, load, allowed, near_tie_s, rng, limit, saved)
+        order = rank(prices.score_s, load, allowed, near_tie_s, rng, limit, saved, c.d_recent)
     p = prices
     out = []
     for j in order:
@@ -156,8 +159,10 @@ def choose_scalar(
     got.sort()  # by D, as price_pairs lists them: rank's stable sort breaks equal scores so
     ds = [g.d for g in got]
     saved = [prompt - g.computed_tokens + c.d_cached[g.d] for g in got]
+    of = c.d_recent
+    recent = (lambda k: of(ds[k])) if of is not None else None
     order = rank([g.score_s for g in got], [c.d_load[d] for d in ds], [True] * len(got),
-                 near_tie_s, rng, limit, saved)  # fmt: skip
+                 near_tie_s, rng, limit, saved, recent)  # fmt: skip
     return [got[j] for j in order]
 
 

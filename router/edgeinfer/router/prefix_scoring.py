@@ -22,8 +22,8 @@ shared by all traffic would make one daemon the fleet's hot spot. The guard is b
 (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam, SODA 2018): a
 daemon whose load is above ``1 + eps`` times the mean, this request included, is not a
 candidate, so a hot prefix spills to the next daemons and they cache it too. Among the
-candidates left, near-ties (within ``near_tie_s``) keep spreading load as in the selector: two
-drawn at random, the less loaded first.
+candidates left, near-ties (within ``near_tie_s``) keep spreading load: the least loaded first
+(:func:`rank`).
 
 Pure numpy, no I/O: who holds which block (the index) is the caller's; :func:`leading_hits`
 turns it into hits per daemon.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -159,14 +159,23 @@ def rank(
     ttft_s: FloatArray | Sequence[float], load: FloatArray | Sequence[float],
     allowed: BoolArray | Sequence[bool], near_tie_s: float, rng: random.Random, limit: int = 3,
     cached: npt.NDArray[np.int64] | Sequence[int] | None = None,
+    recent: Callable[[int], float] | None = None,
 ) -> list[int]:  # fmt: skip
     """Decode daemons best first among ``allowed`` with a finite TTFT; of the near-ties of the
-    best, two drawn at random and the less loaded first (the selector's power of two). With
-    ``cached`` (prompt tokens each would not compute) the near-ties caching the most are drawn
-    from: on a fast model a prefix's compute is within a near-tie, yet placing the request where
-    its prefix lives keeps the conversation's next turn there too (the load guard, in
-    ``allowed``, keeps that from a hot spot); equal hits still spread by load. Arrays (every
-    daemon, the simulator) or lists (a few candidates, :mod:`edgeinfer.router.prefix_pairs`)."""
+    best, the least loaded first. With ``cached`` (prompt tokens each would not compute) only
+    the near-ties caching the most are considered: on a fast model a prefix's compute is within
+    a near-tie, yet placing the request where its prefix lives keeps the conversation's next
+    turn there too (the load guard, in ``allowed``, keeps that from a hot spot); equal hits
+    still spread by load. Equal loads go to the daemon with the least ``recent(i)`` traffic
+    (:meth:`~edgeinfer.router.inflight.PlacementLedger.recent`), then at random.
+
+    The least loaded of all near-ties, not of two drawn at random as the prefix-blind selector
+    does: a conversation stays where its first turn went, so a first turn given to the busier
+    of two daemons by chance stays a hot spot for the conversation's life (with 12 conversations
+    over 3 daemons, two random choices left one daemon 1.38x the mean). The loads include this
+    router's own placements at once (the ledger), so it does not herd onto one daemon between
+    heartbeats. Arrays (every daemon, the simulator) or lists (a few candidates,
+    :mod:`edgeinfer.router.prefix_pairs`)."""
     if isinstance(ttft_s, np.ndarray):
         idx = np.flatnonzero(np.asarray(allowed) & np.isfinite(ttft_s))
         if not len(idx):
@@ -192,9 +201,14 @@ def rank(
             order.remove(ties[0])
             order.insert(0, ties[0])
     if len(ties) >= 2:
-        i = rng.randrange(len(ties))
-        a, b = ties[i], ties[(i + 1 + rng.randrange(len(ties) - 1)) % len(ties)]
-        first = a if float(load[a]) <= float(load[b]) else b
+        loads = [float(load[i]) for i in ties]
+        least = min(loads)
+        ties = [i for i, x in zip(ties, loads, strict=True) if x == least]
+        if recent is not None and len(ties) >= 2:
+            shares = [recent(i) for i in ties]
+            least = min(shares)
+            ties = [i for i, x in zip(ties, shares, strict=True) if x == least]
+        first = ties[rng.randrange(len(ties))] if len(ties) >= 2 else ties[0]
         order.remove(first)
         order.insert(0, first)
     return order[:limit]

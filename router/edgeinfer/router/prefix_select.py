@@ -24,6 +24,7 @@ is placed as without prefix knowledge.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 
@@ -130,6 +131,14 @@ def select_with_prefix(
     return found or []
 
 
+def _recent_of(a: LoadArrays, d_list: list[int], t: float) -> Callable[[int], float] | None:
+    """Candidate k's recent placements by this router (rank's tie-break; asked for ties only)."""
+    ledger = a.pending
+    if ledger is None:
+        return None
+    return lambda k: ledger.recent(a.d[d_list[k]].url, t)
+
+
 def _priced(
     a: LoadArrays, net: NetworkModel, net_s: FloatArray, features: RequestFeatures,
     cfg: PlacementConfig, rng: random.Random, limit: int, t: float, d_list: list[int],
@@ -160,7 +169,7 @@ def _priced(
         d_load, [True] * len(d_list) if d_bound is None else [x <= d_bound for x in d_load],
         [d_pop[i] for i in d_list], [p_tok.get(j, 0) for j in pset_l], p_queue,
         [p_inv[j] for j in pset_l], [True] * len(pset_l), [p_pop[j] for j in pset_l],
-        a.geo.rtt, net.fixed_rtt_ms > 0,
+        a.geo.rtt, net.fixed_rtt_ms > 0, _recent_of(a, d_list, t),
     )  # fmt: skip
     chosen = choose(cands, net, cfg.near_tie_s, rng, limit)
     if not chosen:

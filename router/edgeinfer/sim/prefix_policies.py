@@ -215,7 +215,8 @@ class PrefixAwarePolicy:
         # the prefill not computed, and the pages D need not receive.
         saved = prompt - prices.computed_tokens + d_cached
         order = rank(prices.score_s, load, under_bound(load, 1.0, self.eps), cfg.near_tie_s,
-                     self.rng, cached=saved)  # fmt: skip
+                     self.rng, cached=saved,
+                     recent=lambda i: pending.recent(a.d[i].url, now))  # fmt: skip
         self._kv_tokens = prompt + f.max_tokens
         out: list[Choice] = []
         for i in order:
