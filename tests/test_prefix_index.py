@@ -81,6 +81,18 @@ def test_events_update_and_merge_into_the_sorted_array() -> None:
     assert index.lookup(keys(1)) == {} and len(index) == 0
 
 
+def test_the_filter_passes_every_key_held_and_few_others() -> None:
+    index = PrefixIndex()
+    index.replace(A, sorted_keys(keys(*range(5000))))
+    h = index._daemons[A]
+    assert all(index.lookup(keys(n)) == {A: 1} for n in range(0, 5000, 7))
+    others = key_array(keys(*range(5000, 15000))).tolist()
+    passed = sum(h.bloom[(k & h.mask) >> 3] >> (k & 7) & 1 for k in others)
+    assert 0 < passed < 0.13 * len(others)  # false positives exist and are searched
+    assert all(index.lookup(keys(n)) == {} for n in range(5000, 15000, 7))
+    assert index.nbytes() >= 8 * 5000 + 5000  # the array and at least a byte a key of filter
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=400))
 def test_index_agrees_with_a_set_model(ops: list[tuple[bool, int]]) -> None:
