@@ -19,14 +19,14 @@ it twice; dropping it at the first heartbeat would lose the ones still on their 
 
 Each router knows only its own placements: with several routers behind anycast each corrects
 for its share of the traffic, and the two-random-choices tie-break in the selector covers the
-rest.
+rest. The selector reads the totals when it builds its arrays for a snapshot and the journal of
+changes since then per decision (``version``, :meth:`changes_since`).
 
 The ledger also keeps, per decode daemon, how many requests this router sent it lately (each
 weighted ``exp(-age / RECENT_S)``, :meth:`recent`): the share of recent traffic a daemon took,
 which breaks the prefix path's ties when loads are equal. With a few requests in flight, loads
 are small counts and often equal, and a conversation stays where its first turn went, so a
-first turn placed by load alone can leave one daemon with twice another's conversations. The selector reads the totals when it builds its arrays for a snapshot and the journal of
-changes since then per decision (``version``, :meth:`changes_since`).
+first turn placed by load alone can leave one daemon with twice another's conversations.
 """
 
 from __future__ import annotations
