@@ -206,6 +206,9 @@ def test_each_target_builds_its_own_library(tmp_path, monkeypatch):
     assert native != v3 and "x86-64-v3" in v3.name and "x86-64-v3" not in native.name
     monkeypatch.setenv(native_build.ENV_MARCH, "x86-64-v3")
     assert native_build.build("skinny_gemm") == v3  # the environment names the default target
+    # A bench's variant (-D) is a library of its own beside the one the engine loads.
+    variant = native_build.build("skinny_gemm", "x86-64-v3", ("EDGEINFER_BF16_TILE_PANELS=8",))
+    assert variant not in (native, v3) and variant.exists()
 
 
 @pytest.fixture

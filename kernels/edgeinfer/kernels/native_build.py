@@ -85,14 +85,15 @@ def _host_fingerprint(cxx: str) -> str:
     return version + cpu_flags
 
 
-def build(name: str, march: str | None = None) -> Path:
+def build(name: str, march: str | None = None, defines: tuple[str, ...] = ()) -> Path:
     """Compile ``csrc/<name>.cpp`` for ``-march=<march>`` (default :func:`default_march`), once
-    per source and headers, flags, compiler and CPU; the library."""
+    per source and headers, flags, compiler and CPU; the library. ``defines`` (``NAME=VALUE``,
+    as ``-D``) build a variant beside the one the engine loads: benches compare the two."""
     cxx = compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler (g++ or $CXX) on PATH")
     march = march or default_march()
-    flags = (*COMPILE_FLAGS, f"-march={march}")
+    flags = (*COMPILE_FLAGS, f"-march={march}", *(f"-D{d}" for d in defines))
     source = CSRC / f"{name}.cpp"
     if not source.exists():
         raise NativeBuildError(f"no kernel source {source}")

@@ -179,14 +179,19 @@ void rows_of(const float* x, int64_t x_stride, const float* panels, const float*
 // once for all rows; the result is rounded to bfloat16 (to nearest even, as torch casts).
 constexpr int64_t kBf16Panel = 16;
 
-// One panel per tile: a thread reads its weights as one sequential stream. On 2 AMD EPYC (Zen 4)
-// cores, SmolLM2's whole bf16 decode step read 31.6 GB/s at one row with tiles of 8 panels (8
-// streams a thread) and 36.5 with one (the host's copy bandwidth: 36.7), 5-6% faster at 2-8
-// rows; tiles of 2 were in between (same process, alternated). The accumulators' chains do not
-// bind: one vdpbf16ps a 64-byte load is far below the core's rate.
+// Panels per tile: one, so a thread reads its weights as one sequential stream. On 2 AMD EPYC
+// (Zen 4) cores, SmolLM2's whole bf16 decode step read 31.6 GB/s at one row with tiles of 8
+// panels (8 streams a thread) and 36.5 with one (the host's copy bandwidth: 36.7), 5-6% faster
+// at 2-8 rows; tiles of 2 were in between. The accumulators' chains do not bind: one vdpbf16ps a
+// 64-byte load is far below the core's rate. bench/skinny_tiles.py builds a variant with more
+// (-DEDGEINFER_BF16_TILE_PANELS=8, as many as the registers hold up to that) and times both.
+#ifndef EDGEINFER_BF16_TILE_PANELS
+#define EDGEINFER_BF16_TILE_PANELS 1
+#endif
 template <int64_t MB>
 constexpr int64_t bf16_streams() {
-  return 1;
+  constexpr int64_t fit = (32 - 1) / (MB + 1);
+  return fit > EDGEINFER_BF16_TILE_PANELS ? EDGEINFER_BF16_TILE_PANELS : fit;
 }
 
 // acc[m][b] += the products of input pairs [k0, k1) (pair k: inputs 2k, 2k + 1) for MB rows of
