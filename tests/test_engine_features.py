@@ -40,9 +40,15 @@ def test_prefix_cache_hit_reuses_blocks_and_keeps_tokens(ckpt, engine):
     assert engine.stats().prefix_cache_hits - hits_before == 2 * 10
 
 
-def test_prefill_export_import_decode_matches_single_engine(ckpt, engine):
+# Seeded sampling too: the decode side skips the draw the prefill side made for the first token.
+@pytest.mark.parametrize(
+    "params",
+    [GREEDY, SamplingParams(max_tokens=12, temperature=0.8, seed=77)],
+    ids=["greedy", "seeded"],
+)
+def test_prefill_export_import_decode_matches_single_engine(ckpt, engine, params):
     prompts = random_prompts(4, 512, 1, 90, seed=11)
-    want = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    want = [c.token_ids for c in engine.generate(prompts, params)]
 
     prefill = LLMEngine(EngineConfig(model=str(ckpt), max_num_batched_tokens=32))
     decode = LLMEngine(EngineConfig(model=str(ckpt)))
@@ -50,8 +56,8 @@ def test_prefill_export_import_decode_matches_single_engine(ckpt, engine):
     got = []
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
-        prefill.add_request(rid, prompt, GREEDY, prefill_only=True)
-        cached = decode.reserve_remote(rid, prompt, GREEDY)
+        prefill.add_request(rid, prompt, params, prefill_only=True)
+        cached = decode.reserve_remote(rid, prompt, params)
         sent, first = cached // bs, None
         while first is None:
             for out in prefill.step():
