@@ -217,5 +217,5 @@ class StageSplit:
         self.scheduler.add_running(seq)
         # The prefill side drew the first token from its copy of this seed: skip that draw so
         # the rest of the sequence matches a single engine's.
-        seq.sampling.skip_draw(self.runner.device)
+        seq.sampling.skip_draw(self.model_config.vocab_size, self.runner.device)
         return self._on_token(req, first_token, logprob)
