@@ -23,7 +23,10 @@ from engine_helpers import assert_matches, hf_greedy, random_prompts
 from native_helpers import require_native
 from test_paged_attention import LENGTHS, check, make_cache, naive_attention, naive_decode
 
-KERNELS = ("paged_decode_attention", "paged_prefill_attention", "decoder_pointwise", "skinny_gemm")
+KERNELS = (
+    "paged_decode_attention", "paged_prefill_attention", "decoder_pointwise", "skinny_gemm",
+    "decode_layers",
+)  # fmt: skip
 
 
 @pytest.fixture

@@ -73,6 +73,15 @@ def runs(op: str, x: Tensor) -> bool:
     return route is None or route(x.shape[0] if x.dim() else 1)
 
 
+def entry_address(op: str, dtype: torch.dtype) -> int | None:
+    """``op``'s C entry point for ``dtype`` as an address (for compiled callers such as
+    :mod:`decode_layers`); None where the library did not build or takes no such dtype."""
+    entries = _library()
+    if entries is None or (op, dtype) not in entries:
+        return None
+    return ctypes.cast(entries[op, dtype], ctypes.c_void_p).value
+
+
 def set_route(op: str, dtype: torch.dtype, route: SizeRoute | None) -> None:
     """Where ``op`` on ``dtype`` tensors runs from now on (None: wherever it takes them)."""
     if op not in OPS:

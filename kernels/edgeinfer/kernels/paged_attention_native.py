@@ -38,7 +38,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _DecodeProblem(ctypes.Structure):
-    """Mirror of ``Problem`` in paged_decode_attention.cpp (same order, same types)."""
+    """Mirror of ``DecodeProblem`` in csrc/decode_problem.h (same order, same types)."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),
@@ -211,6 +211,16 @@ class PreparedDecode:
             0, 0, 0, 0, 0, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
             batch, heads, kv_heads, head_dim, page, MIN_SPLIT_KEYS, 0.0, 0,
         )  # fmt: skip
+
+    def problem_address(self) -> int:
+        """The step's ``DecodeProblem`` (tables and lengths filled in) as an address, for a
+        compiled caller that sets each layer's q, caches, scale and output itself
+        (:mod:`decode_layers`)."""
+        return ctypes.addressof(self._problem)
+
+    def entry_address(self) -> int | None:
+        """The kernel's entry point for this step's dtype, as an address (the same caller)."""
+        return ctypes.cast(self._entry, ctypes.c_void_p).value
 
     def __call__(
         self,

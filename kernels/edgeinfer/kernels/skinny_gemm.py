@@ -103,6 +103,19 @@ def takes_bf16() -> bool:
     return kernel is not None and kernel.bf16_panel > 0
 
 
+def entry_address(dtype: torch.dtype) -> int | None:
+    """The C entry point for ``dtype`` weights, as an address (for compiled callers such as
+    :mod:`decode_layers`); None where the library or its kernel for ``dtype`` is missing."""
+    kernel = _kernel()
+    if (
+        kernel is None
+        or dtype not in kernel.gemm
+        or (dtype == torch.bfloat16 and not kernel.bf16_panel)
+    ):
+        return None
+    return ctypes.cast(kernel.gemm[dtype], ctypes.c_void_p).value
+
+
 def prepare(weight: Tensor) -> SkinnyWeight | None:
     """``weight [out, in]`` (float32, or bfloat16 where :func:`takes_bf16`; CPU) in panels, or
     None where the kernel cannot take it."""

@@ -11,6 +11,8 @@ oneDNN with packed weights (:mod:`linear`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,9 @@ from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import RotaryEmbedding, Rotation
 from edgeinfer.kernels import decoder_pointwise, skinny_gemm
 from edgeinfer.kernels.skinny_gemm import SkinnyWeight
+
+if TYPE_CHECKING:
+    from edgeinfer.daemon.engine.fused_decode import FusedDecode
 
 
 class RMSNorm(nn.Module):
@@ -232,6 +237,8 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The layer stack as one compiled call for small decode steps (set by the runner).
+        self.fused_decode: FusedDecode | None = None
 
     def use_attention(self, backend: AttentionBackend) -> None:
         """Have every decoder layer this model holds attend with ``backend`` (chosen once,
@@ -277,8 +284,11 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, max_position)
         rot = Rotation.build(cos, sin, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rot, meta, kv_cache.k[i], kv_cache.v[i])
+        if self.fused_decode is not None and self.fused_decode.runs(x, meta):
+            x = self.fused_decode(x, rot, meta)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, rot, meta, kv_cache.k[i], kv_cache.v[i])
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.model.norm(x)).float()

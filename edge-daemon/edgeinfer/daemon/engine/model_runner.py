@@ -18,6 +18,7 @@ from edgeinfer.daemon.engine.batch_builder import BatchBuilder
 from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.fused_decode import FusedDecode
 from edgeinfer.daemon.engine.kernel_trials import Sizes, choose_kernels
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.linear import linear
@@ -89,6 +90,9 @@ class ModelRunner:
         self.kv_cache = KVCache(self.layout, num_blocks, self.device)
         attention = attention_backend(self.device, self.layout)
         self.model.use_attention(attention)
+        if self.device.type == "cpu" and not cfg.enforce_eager:
+            # Small decode steps run the layer stack in one compiled call where it fits.
+            self.model.fused_decode = FusedDecode.of(list(self.model.model.layers), self.kv_cache)
         self.batches = BatchBuilder(cfg.block_size, attention, self.device)
         self.graphs = None
         # Per-layer decoding swaps parameter storage in hooks, which a captured graph cannot see.

@@ -20,9 +20,11 @@
 #include <omp.h>
 
 #include "cpu_dtypes.h"
+#include "decode_problem.h"
 
 namespace {
 
+using Problem = edgeinfer::DecodeProblem;
 using edgeinfer::narrow;
 using edgeinfer::widen;
 
@@ -32,20 +34,6 @@ constexpr int64_t kMaxDim = 256;  // head size (stack rows of one K or V head)
 // page ahead halved the kernel's time (SmolLM2, 8 sequences of 310 tokens, float32: ~11 to
 // ~5-6 ms per step of 30 layers; bf16 ~7.8 to ~3.3 ms).
 constexpr int64_t kAhead = 16;
-
-struct Problem {
-  const void* q;  // [B, H, D], rows strided, D contiguous
-  int64_t q_stride_b, q_stride_h;
-  const void* k_cache;  // [num_blocks, page, Hkv, D] contiguous
-  const void* v_cache;
-  const int32_t* tables;  // [B, table_stride]
-  int64_t table_stride;
-  const int32_t* lens;  // [B]: keys to attend (0: the output row is zero)
-  int64_t batch, heads, kv_heads, dim, page;
-  int64_t min_split;  // fewest keys per work unit (a multiple of page)
-  float scale;
-  void* out;  // [B, H, D] contiguous
-};
 
 // One unit: every query head of sequence b over keys [t0, t1). A token's K (and V) rows of
 // all KV heads are adjacent in its page, so the unit streams through contiguous memory.

@@ -1,0 +1,145 @@
+"""A small CPU decode step's decoder layers in one compiled call (:mod:`decode_layers`).
+
+At one to eight rows a layer's eleven ops are short enough that calling them one by one from
+Python costs a large share of the step (SmolLM2 bf16, batch 1, 2 EPYC cores: ~1.5 ms of ~14.9).
+Where every projection of the model runs on the skinny GEMM at this row count and attention
+runs the compiled in-place kernel, :class:`FusedDecode` hands the whole layer stack to the C++
+sequencer instead: the same kernels in the same order, so the tokens are those of the op-by-op
+path (``DecoderLayer.forward`` with the compiled pointwise ops), bit for bit.
+
+It takes Llama-shaped layers only: no per-head q/k norms (Qwen3), no layer hooks (per-layer
+compressed weights), every weight packed for the skinny GEMM. Anything else, and steps with a
+prefill chunk, keep the op-by-op path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata
+from edgeinfer.daemon.engine.kv_cache import KVCache
+from edgeinfer.daemon.engine.model import DecoderLayer
+from edgeinfer.daemon.engine.rope import Rotation
+from edgeinfer.kernels import decode_layers
+from edgeinfer.kernels.skinny_gemm import SkinnyWeight
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class FusedDecode:
+    """The layer stack of one model as :mod:`decode_layers` runs it; build with :meth:`of`."""
+
+    def __init__(
+        self,
+        layers: list[DecoderLayer],
+        kv_cache: KVCache,
+        dtype: torch.dtype,
+        eps: float,
+        inter: int,
+    ) -> None:
+        """Use :meth:`of`, which checks that every layer fits."""
+        attn = layers[0].self_attn
+        self.dtype = dtype
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden = layers[0].input_layernorm.weight.shape[0]
+        self.inter = inter
+        self.dims = decode_layers.Dims(
+            self.hidden, self.heads, self.kv_heads, self.head_dim, inter, dtype.itemsize, eps,
+            attn.scale,
+        )  # fmt: skip
+        self._weights: list[SkinnyWeight] = []
+        table = []
+        for i, layer in enumerate(layers):
+            a, m = layer.self_attn, layer.mlp
+            skinny = [a.qkv.skinny, a.o_proj.skinny, m.gate_up.skinny, m.down_proj.skinny]
+            weights = [w for w in skinny if w is not None]
+            if len(weights) != len(skinny):
+                raise ValueError(f"layer {i} has a projection the skinny GEMM does not hold")
+            self._weights += weights
+            q, o, gu, d = (w.panels for w in weights)
+            table.append(decode_layers.Layer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                q.data_ptr(), _address(a.qkv.bias), o.data_ptr(), _address(a.o_proj.bias),
+                gu.data_ptr(), _address(m.gate_up.bias), d.data_ptr(), _address(m.down_proj.bias),
+                kv_cache.k[i].data_ptr(), kv_cache.v[i].data_ptr(),
+            ))  # fmt: skip
+        self.layers = (decode_layers.Layer * len(table))(*table)
+        self._k_cache0 = kv_cache.k[0]
+        self._runs: dict[int, bool] = {}  # rows -> every projection takes the skinny GEMM
+        self._scratch: dict[int, list[torch.Tensor]] = {}
+        self._ops: decode_layers.Ops | None = None
+
+    @classmethod
+    def of(cls, layers: list[torch.nn.Module], kv_cache: KVCache) -> FusedDecode | None:
+        """The fused stack for these layers and caches, or None where it cannot take them."""
+        if not layers or not all(isinstance(layer, DecoderLayer) for layer in layers):
+            return None
+        decoders = [layer for layer in layers if isinstance(layer, DecoderLayer)]
+        first = decoders[0]
+        dtype = first.input_layernorm.weight.dtype
+        if not decode_layers.available(dtype) or kv_cache.k[0].device.type != "cpu":
+            return None
+        for layer in decoders:
+            a, m = layer.self_attn, layer.mlp
+            projections = (a.qkv, a.o_proj, m.gate_up, m.down_proj)
+            if (
+                a.q_norm is not None
+                or layer._forward_hooks
+                or layer._forward_pre_hooks
+                or any(p.skinny is None for p in projections)
+                or any(
+                    t is not None and (t.dtype != dtype or not t.is_contiguous())
+                    for t in (a.qkv.bias, a.o_proj.bias, m.gate_up.bias, m.down_proj.bias)
+                )
+            ):
+                return None
+        norm = first.input_layernorm
+        inter = first.mlp.down_proj.in_features
+        if kv_cache.layout.dtype != dtype or len(kv_cache.k) != len(decoders):
+            return None
+        return cls(decoders, kv_cache, dtype, norm.eps, inter)
+
+    def runs(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step (``x [rows, hidden]``) takes the fused path."""
+        rows = x.shape[0]
+        if meta.prefills or meta.num_decode_tokens != rows or x.dtype != self.dtype:
+            return False
+        known = self._runs.get(rows)
+        if known is None:
+            known = self._runs[rows] = all(w.runs(rows) for w in self._weights)
+        return known and meta.native_decode(self.heads, self._k_cache0) is not None
+
+    def __call__(self, x: torch.Tensor, rot: Rotation, meta: AttentionMetadata) -> torch.Tensor:
+        """Every layer on ``x [rows, hidden]`` (overwritten and returned); see :meth:`runs`."""
+        rows = x.shape[0]
+        prepared = meta.native_decode(self.heads, self._k_cache0)
+        if prepared is None:
+            raise RuntimeError("a fused decode step without compiled attention")
+        kernels = self._ops
+        if kernels is None:
+            kernels = self._ops = decode_layers.ops(self.dtype, prepared.entry_address() or 0)
+            if kernels is None:
+                raise RuntimeError("the fused decode kernels are not built here")
+        scratch = self._scratch.get(rows)
+        if scratch is None:
+            h, hkv, d, hidden, inter = (
+                self.heads, self.kv_heads, self.head_dim, self.hidden, self.inter,
+            )  # fmt: skip
+            widths = (hidden, (h + 2 * hkv) * d, h * d, hidden, hidden, 2 * inter, inter, hidden)
+            scratch = [x.new_empty(rows, w) for w in widths]
+            self._scratch[rows] = scratch
+        slots = meta.slot_mapping
+        if not x.is_contiguous() or slots.dtype != torch.int64 or not slots.is_contiguous():
+            raise ValueError("a fused decode step needs contiguous rows and int64 slots")
+        cos, sin = rot.cos.contiguous(), rot.signed_sin.contiguous()  # [rows, 1, D]
+        step = decode_layers.Step(
+            rows, x.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            prepared.problem_address(), *(t.data_ptr() for t in scratch),
+        )  # fmt: skip
+        decode_layers.run(
+            self.dtype, kernels, self.layers, self.dims, step, torch.get_num_threads()
+        )
+        return x

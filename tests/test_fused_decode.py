@@ -1,0 +1,103 @@
+"""The fused decode path (issue 19): a small decode step's layers in one compiled call give
+the op-by-op path's tokens bit for bit, and it runs only where every kernel it sequences does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeinfer.daemon.engine import cpu_attention
+from edgeinfer.daemon.engine.config import EngineConfig
+from edgeinfer.daemon.engine.fused_decode import FusedDecode
+from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.sampling_params import SamplingParams
+from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
+from edgeinfer.kernels import decoder_pointwise, kernel_choice, skinny_gemm
+from edgeinfer.kernels.kernel_choice import SizeRoute
+from engine_helpers import random_prompts
+from native_helpers import require_native
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def every_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No trial routes: each compiled kernel runs wherever it takes the tensors, on both paths
+    (the op-by-op path then uses the same pointwise kernels the fused one always does)."""
+    require_native("skinny_gemm", "decoder_pointwise", "paged_decode_attention", "decode_layers")
+    monkeypatch.setenv(kernel_choice.ENV_MODE, "off")
+    monkeypatch.setattr(decoder_pointwise, "_routes", {})
+    monkeypatch.setattr(cpu_attention, "_decode_routes", {})
+    monkeypatch.setattr(cpu_attention, "_prefill_routes", {})
+
+
+def _engine(tmp_path: Path, name: str, **model: object) -> LLMEngine:
+    # 256 wide: every float32 weight is large enough to pack, so each has skinny panels.
+    ckpt = build_tiny_checkpoint(
+        tmp_path / name, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, **model
+    )
+    return LLMEngine(EngineConfig(model=str(ckpt), num_threads=2))
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    rows: list[int] = []
+    call = FusedDecode.__call__
+
+    def counted(self: FusedDecode, x: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return call(self, x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FusedDecode, "__call__", counted)
+    return rows
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
+def test_fused_steps_give_the_op_by_op_tokens(
+    tmp_path: Path, every_kernel: None, monkeypatch: pytest.MonkeyPatch, bias: bool
+) -> None:
+    arch = "Qwen2ForCausalLM" if bias else "LlamaForCausalLM"
+    engine = _engine(tmp_path, arch, architecture=arch)
+    model = engine.runner.model
+    fused = model.fused_decode
+    assert fused is not None
+    rows = _count_calls(monkeypatch)
+    prompts = random_prompts(skinny_gemm.max_rows(), 512, 3, 60, seed=4)
+    for batch in (1, 3, skinny_gemm.max_rows()):
+        # A first run caches the prompts, so the two compared runs prefill alike (the same
+        # partial last block recomputed): only their decode steps differ.
+        model.fused_decode = None
+        engine.generate(prompts[:batch], GREEDY)
+        model.fused_decode = fused
+        got = [c.token_ids for c in engine.generate(prompts[:batch], GREEDY)]
+        model.fused_decode = None
+        want = [c.token_ids for c in engine.generate(prompts[:batch], GREEDY)]
+        assert got == want, batch
+        assert batch in rows  # the fused path really ran at this batch size
+
+
+def test_steps_the_fused_path_does_not_take(
+    tmp_path: Path, every_kernel: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(tmp_path, "m")
+    fused = engine.runner.model.fused_decode
+    assert fused is not None
+    rows = _count_calls(monkeypatch)
+    # A row count some projection's route refuses (the trial chose oneDNN there) stays op by op.
+    weight = next(iter(fused._weights))
+    monkeypatch.setattr(weight, "route", SizeRoute({1: True, 2: False}))
+    fused._runs.clear()
+    prompts = random_prompts(2, 512, 20, 40, seed=5)
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts, [short, GREEDY])  # two rows, then one
+    assert rows and set(rows) == {1}  # two rows never fused; prefill steps never are
+
+
+def test_models_the_fused_path_does_not_take(tmp_path: Path, every_kernel: None) -> None:
+    # Qwen3's per-head q/k norms are not sequenced: the model keeps the op-by-op path.
+    qwen3 = _engine(tmp_path, "q3", architecture="Qwen3ForCausalLM")
+    assert qwen3.runner.model.fused_decode is None
+    ckpt = build_tiny_checkpoint(tmp_path / "eager", hidden_size=256, num_heads=4)
+    eager = LLMEngine(EngineConfig(model=str(ckpt), enforce_eager=True))
+    assert eager.runner.model.fused_decode is None
