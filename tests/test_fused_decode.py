@@ -4,17 +4,19 @@ the op-by-op path's tokens bit for bit, and it runs only where every kernel it s
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from edgeinfer.daemon.engine import cpu_attention
+from edgeinfer.daemon.engine import cpu_attention, kernel_trials
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.fused_decode import FusedDecode
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
+from edgeinfer.daemon.engine.model import DecoderLayer
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
-from edgeinfer.kernels import decoder_pointwise, kernel_choice, skinny_gemm
+from edgeinfer.kernels import decode_layers, decoder_pointwise, kernel_choice, skinny_gemm
 from edgeinfer.kernels.kernel_choice import SizeRoute
 from engine_helpers import random_prompts
 from native_helpers import require_native
@@ -77,17 +79,21 @@ def test_fused_steps_give_the_op_by_op_tokens(
         assert batch in rows  # the fused path really ran at this batch size
 
 
+@pytest.mark.parametrize("refused_by", ["its trial", "a projection's trial"])
 def test_steps_the_fused_path_does_not_take(
-    tmp_path: Path, every_kernel: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, every_kernel: None, monkeypatch: pytest.MonkeyPatch, refused_by: str
 ) -> None:
     engine = _engine(tmp_path, "m")
     fused = engine.runner.model.fused_decode
     assert fused is not None
     rows = _count_calls(monkeypatch)
-    # A row count some projection's route refuses (the trial chose oneDNN there) stays op by op.
-    weight = next(iter(fused._weights))
-    monkeypatch.setattr(weight, "route", SizeRoute({1: True, 2: False}))
-    fused._runs.clear()
+    # A row count where the fused path lost its trial, or where a projection it sequences
+    # lost to oneDNN (the skinny GEMM does not run there), stays op by op.
+    if refused_by == "its trial":
+        fused.set_route(SizeRoute({1: True, 2: False}))
+    else:
+        monkeypatch.setattr(fused._weights[-1], "route", SizeRoute({1: True, 2: False}))
+        fused.set_route(None)
     prompts = random_prompts(2, 512, 20, 40, seed=5)
     short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, [short, GREEDY])  # two rows, then one
@@ -101,3 +107,46 @@ def test_models_the_fused_path_does_not_take(tmp_path: Path, every_kernel: None)
     ckpt = build_tiny_checkpoint(tmp_path / "eager", hidden_size=256, num_heads=4)
     eager = LLMEngine(EngineConfig(model=str(ckpt), enforce_eager=True))
     assert eager.runner.model.fused_decode is None
+
+
+def _slowed(fn: Any) -> Any:
+    """``fn`` doing its work 20 times over: slower than its rival in any weather."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for _ in range(19):
+            fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("slowed", ["fused", "op by op"])
+def test_the_trial_chooses_the_faster_path(
+    tmp_path: Path, every_kernel: None, monkeypatch: pytest.MonkeyPatch, slowed: str
+) -> None:
+    engine = _engine(tmp_path, "m")
+    runner = engine.runner
+    fused = runner.model.fused_decode
+    assert fused is not None
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(kernel_choice.ENV_MODE, "remeasure")
+    if slowed == "fused":
+        monkeypatch.setattr(decode_layers, "run", _slowed(decode_layers.run))
+    else:
+        monkeypatch.setattr(DecoderLayer, "forward", _slowed(DecoderLayer.forward))
+    # One thread: a two-thread call on a loaded host can wait a scheduler slice for its
+    # second thread, which even a 20-fold slowdown of the other side need not outweigh.
+    kernel_trials.choose_fused(
+        runner.model, fused, runner.kv_cache, runner._sizes(engine.config), 1
+    )
+    sizes = [r for r in (1, 2, 4, 8) if r <= skinny_gemm.max_rows()]
+    cases = {f"2 layers float32, {r} rows of {kernel_trials.DECODE_CONTEXT} tokens" for r in sizes}
+    verdicts = kernel_choice.summary()["decode_layers"]
+    chosen, lost = cases & set(verdicts["chosen"]), cases & set(verdicts["kept_baseline"])
+    assert fused.route is not None
+    if slowed == "fused":
+        assert not chosen and lost == cases
+        assert not any(fused.route(r) for r in sizes)
+    else:
+        assert chosen == cases and not lost
+        assert all(fused.route(r) for r in sizes)

@@ -21,6 +21,7 @@ from edgeinfer.daemon.engine.kv_cache import KVCache
 from edgeinfer.daemon.engine.model import DecoderLayer
 from edgeinfer.daemon.engine.rope import Rotation
 from edgeinfer.kernels import decode_layers
+from edgeinfer.kernels.kernel_choice import SizeRoute
 from edgeinfer.kernels.skinny_gemm import SkinnyWeight
 
 
@@ -68,6 +69,7 @@ class FusedDecode:
             ))  # fmt: skip
         self.layers = (decode_layers.Layer * len(table))(*table)
         self._k_cache0 = kv_cache.k[0]
+        self.route: SizeRoute | None = None  # see set_route
         self._runs: dict[int, bool] = {}  # rows -> every projection takes the skinny GEMM
         self._scratch: dict[int, list[torch.Tensor]] = {}
         self._ops: decode_layers.Ops | None = None
@@ -102,6 +104,12 @@ class FusedDecode:
             return None
         return cls(decoders, kv_cache, dtype, norm.eps, inter)
 
+    def set_route(self, route: SizeRoute | None) -> None:
+        """The row counts where it runs from now on (:func:`kernel_trials.choose_fused`: where
+        it beat the op-by-op layers); None: wherever the kernels it sequences run."""
+        self.route = route
+        self._runs.clear()
+
     def runs(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step (``x [rows, hidden]``) takes the fused path."""
         rows = x.shape[0]
@@ -109,7 +117,9 @@ class FusedDecode:
             return False
         known = self._runs.get(rows)
         if known is None:
-            known = self._runs[rows] = all(w.runs(rows) for w in self._weights)
+            known = self._runs[rows] = all(w.runs(rows) for w in self._weights) and (
+                self.route is None or self.route(rows)
+            )
         return known and meta.native_decode(self.heads, self._k_cache0) is not None
 
     def __call__(self, x: torch.Tensor, rot: Rotation, meta: AttentionMetadata) -> torch.Tensor:

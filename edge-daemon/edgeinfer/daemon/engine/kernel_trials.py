@@ -7,6 +7,9 @@ model's shapes, and where each answer goes.
   Where it loses at every row count its panels are given back.
 * ``decoder_pointwise`` against the torch ops ``model.py`` and ``rope.py`` fall back to: each
   op (RMSNorm, residual add + RMSNorm, q/k rotation, SiLU * up) at 1, 8, 64, 512 ... tokens.
+* ``decode_layers`` (the fused decode path, :mod:`fused_decode`) against the same layers op by
+  op, on the model itself at 1, 2, 4 and 8 rows of :data:`DECODE_CONTEXT` tokens, once the KV
+  cache exists (:func:`choose_fused`, after the kernels it sequences were chosen).
 * ``paged_decode_attention`` against what decode runs without it (numba's in-place kernel for
   wide KV heads, torch's planned SDPA for narrow ones) at 1, 4, 16, ... sequences of
   :data:`DECODE_CONTEXT` tokens; ``paged_prefill_attention`` against torch's flash SDPA at
@@ -28,6 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edgeinfer.daemon.engine import cpu_attention
+from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata
+from edgeinfer.daemon.engine.fused_decode import FusedDecode
+from edgeinfer.daemon.engine.kv_cache import KVCache
 from edgeinfer.daemon.engine.linear import Linear, linear
 from edgeinfer.daemon.engine.model import CausalLM, FusedProjection
 from edgeinfer.daemon.engine.model_config import ModelConfig
@@ -343,4 +349,75 @@ def choose_kernels(model: CausalLM, sizes: Sizes, threads: tuple[int, int]) -> N
         sum(c.measured_s for c in choosers),
         time.perf_counter() - start,
         kernel_choice.describe() or "none built",
+    )
+
+
+def _fused_setup(model: CausalLM, fused: FusedDecode, kv_cache: KVCache, rows: int) -> Setup:
+    def setup() -> tuple[Callable[[], object], Callable[[], object]]:
+        # rows sequences of DECODE_CONTEXT tokens in the first blocks of the (still unused)
+        # cache: what they write there is overwritten by the prefills that later own them.
+        page = kv_cache.layout.block_size
+        per_seq = -(-DECODE_CONTEXT // page)
+        if rows * per_seq > kv_cache.num_blocks:
+            raise ValueError(f"{rows} sequences of {DECODE_CONTEXT} tokens overflow the cache")
+        tables = torch.arange(rows * per_seq, dtype=torch.int32).view(rows, per_seq)
+        last = DECODE_CONTEXT - 1
+        meta = AttentionMetadata(
+            slot_mapping=(tables[:, last // page] * page + last % page).to(torch.int64),
+            num_decode_tokens=rows,
+            decode_block_tables=tables,
+            decode_context_lens=torch.full((rows,), DECODE_CONTEXT, dtype=torch.int32),
+            decode_in_place=True,
+        )
+        ids = torch.randint(model.config.vocab_size, (rows,))
+        x0 = model.model.embed_tokens(ids)
+        cos, sin = model.rotary_emb(torch.full((rows,), last), last)
+        rot = Rotation.build(cos, sin, x0.dtype)
+        x = x0.clone()
+        if not fused.runs(x, meta):
+            raise ValueError(f"a kernel the fused path sequences does not run at {rows} rows")
+
+        def op_by_op() -> None:
+            y = x.copy_(x0)
+            for i, layer in enumerate(model.model.layers):
+                y = layer(y, rot, meta, kv_cache.k[i], kv_cache.v[i])
+
+        def fused_step() -> None:
+            fused(x.copy_(x0), rot, meta)
+
+        return op_by_op, fused_step
+
+    return setup
+
+
+def choose_fused(
+    model: CausalLM, fused: FusedDecode, kv_cache: KVCache, sizes: Sizes, threads: int
+) -> None:
+    """Time the fused decode path against the op-by-op layers (at ``threads``, the decode
+    steps' torch threads) and set where it runs; a row count where a kernel it sequences does
+    not run, or where it did not win, keeps the layers op by op."""
+    build = native_build.build_id("decode_layers")
+    if kernel_choice.mode() == "off" or build is None:
+        return
+    chooser = Chooser(threads)
+    name = f"{model.config.num_layers} layers {_name(fused.dtype)}"
+    verdicts, ratios = {}, []
+    for rows in (r for r in SKINNY_ROWS if r <= min(sizes.max_num_seqs, skinny_gemm.max_rows())):
+        case = f"{name}, {rows} rows of {DECODE_CONTEXT} tokens"
+        trial = Trial(
+            "decode_layers", case, "op by op", build, _fused_setup(model, fused, kv_cache, rows)
+        )
+        try:
+            verdict = chooser.decide(trial)
+            verdicts[rows] = verdict.chosen
+            ratios.append(f"{rows} rows {verdict.timing.ratio:.2f}x")
+        except ValueError as exc:
+            log.info("fused decode not timed at %d rows: %s", rows, exc)
+            verdicts[rows] = False
+    chooser.save()
+    fused.set_route(SizeRoute(verdicts or {1: False}))
+    log.info(
+        "fused decode layers against op by op (runs at >= %.2fx): %s",
+        kernel_choice.MARGIN,
+        ", ".join(ratios) or "not timed",
     )

@@ -19,7 +19,7 @@ from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.fused_decode import FusedDecode
-from edgeinfer.daemon.engine.kernel_trials import Sizes, choose_kernels
+from edgeinfer.daemon.engine.kernel_trials import Sizes, choose_fused, choose_kernels
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.linear import linear
 from edgeinfer.daemon.engine.model import CausalLM
@@ -91,8 +91,12 @@ class ModelRunner:
         attention = attention_backend(self.device, self.layout)
         self.model.use_attention(attention)
         if self.device.type == "cpu" and not cfg.enforce_eager:
-            # Small decode steps run the layer stack in one compiled call where it fits.
-            self.model.fused_decode = FusedDecode.of(list(self.model.model.layers), self.kv_cache)
+            # Small decode steps run the layer stack in one compiled call where it fits and
+            # where it beat the layers op by op on this host.
+            fused = FusedDecode.of(list(self.model.model.layers), self.kv_cache)
+            if fused is not None:
+                choose_fused(self.model, fused, self.kv_cache, self._sizes(cfg), self._threads[0])
+            self.model.fused_decode = fused
         self.batches = BatchBuilder(cfg.block_size, attention, self.device)
         self.graphs = None
         # Per-layer decoding swaps parameter storage in hooks, which a captured graph cannot see.
@@ -133,10 +137,12 @@ class ModelRunner:
         if self.device.type == "cpu":
             # Each compiled kernel against the library call it replaces, on this model's shapes:
             # it runs only where it won here (timed once per host, then cached).
-            max_tokens = min(cfg.max_num_batched_tokens, cfg.resolve_max_model_len(model_cfg))
-            sizes = Sizes(self.dtype, cfg.block_size, cfg.max_num_seqs, max_tokens)
-            choose_kernels(model, sizes, self._threads)
+            choose_kernels(model, self._sizes(cfg), self._threads)
         return model.eval()
+
+    def _sizes(self, cfg: EngineConfig) -> Sizes:
+        max_tokens = min(cfg.max_num_batched_tokens, cfg.resolve_max_model_len(self.model_cfg))
+        return Sizes(self.dtype, cfg.block_size, cfg.max_num_seqs, max_tokens)
 
     def check_health(self) -> None:
         """Nothing to check: a single-process runner has no worker that could die."""
