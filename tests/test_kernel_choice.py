@@ -25,7 +25,7 @@ from edgeinfer.daemon.engine.model import CausalLM
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.sampling_params import SamplingParams
 from edgeinfer.daemon.engine.tiny_checkpoint import build_tiny_checkpoint
-from edgeinfer.kernels import decoder_pointwise, kernel_choice, skinny_gemm
+from edgeinfer.kernels import decode_layers, decoder_pointwise, kernel_choice, skinny_gemm
 from edgeinfer.kernels import paged_attention_native as native
 from edgeinfer.kernels.kernel_choice import Chooser, SizeRoute, Trial
 from engine_helpers import assert_matches, hf_greedy, random_prompts
@@ -183,6 +183,8 @@ def test_the_engine_routes_each_kernel_by_its_verdicts(tmp_path, monkeypatch, ke
     monkeypatch.setattr(
         kernel_trials, "prefill_attention_cpu", _slowed(kernel_trials.prefill_attention_cpu)
     )
+    # And the fused decode path, which would otherwise keep every panel for itself.
+    monkeypatch.setattr(decode_layers, "run", _slowed(decode_layers.run))
     path = build_tiny_checkpoint(tmp_path / "ckpt")
     # One thread: a two-thread call on a loaded host can wait a whole scheduler slice for its
     # second thread, which even a 20-fold slowdown of the other side need not outweigh.
@@ -261,4 +263,5 @@ def test_bf16_projections_are_timed_in_bf16_and_a_slowed_kernel_is_not_chosen(
     for s in sets:
         assert all("bfloat16" in t.case for _, t, _ in s.trials)
         s.apply(SizeRoute({size: chooser.decide(t).chosen for size, t, _ in s.trials}))
+    kernel_trials.release_panels(model, None)
     assert kernel_trials.projections(model) == {}  # every bf16 copy lost, its panels given back

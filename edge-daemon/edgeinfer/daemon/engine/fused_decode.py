@@ -1,11 +1,13 @@
 """A small CPU decode step's decoder layers in one compiled call (:mod:`decode_layers`).
 
 At one to eight rows a layer's eleven ops are short enough that calling them one by one from
-Python costs a large share of the step (SmolLM2 bf16, batch 1, 2 EPYC cores: ~1.5 ms of ~14.9).
-Where every projection of the model runs on the skinny GEMM at this row count and attention
-runs the compiled in-place kernel, :class:`FusedDecode` hands the whole layer stack to the C++
-sequencer instead: the same kernels in the same order, so the tokens are those of the op-by-op
-path (``DecoderLayer.forward`` with the compiled pointwise ops), bit for bit.
+Python costs a large share of the step: SmolLM2 bf16 at batch 1 on 2 EPYC cores took 14.9 ms
+a token op by op and 10.7 ms fused.
+At the row counts where it beat the layers op by op (its trial, :func:`kernel_trials.choose_fused`,
+compares whole steps against whatever kernels the op-by-op layers chose), :class:`FusedDecode`
+hands the whole layer stack to the C++ sequencer: the skinny GEMM for every projection, the
+compiled pointwise ops and decode attention, in the op-by-op order, so the tokens are those of
+the op-by-op path with those kernels, bit for bit.
 
 It takes Llama-shaped layers only: no per-head q/k norms (Qwen3), no layer hooks (per-layer
 compressed weights), every weight packed for the skinny GEMM. Anything else, and steps with a
@@ -21,6 +23,7 @@ from edgeinfer.daemon.engine.kv_cache import KVCache
 from edgeinfer.daemon.engine.model import DecoderLayer
 from edgeinfer.daemon.engine.rope import Rotation
 from edgeinfer.kernels import decode_layers
+from edgeinfer.kernels import paged_attention_native as native
 from edgeinfer.kernels.kernel_choice import SizeRoute
 from edgeinfer.kernels.skinny_gemm import SkinnyWeight
 
@@ -100,13 +103,19 @@ class FusedDecode:
                 return None
         norm = first.input_layernorm
         inter = first.mlp.down_proj.in_features
-        if kv_cache.layout.dtype != dtype or len(kv_cache.k) != len(decoders):
+        attn = first.self_attn
+        probe = kv_cache.k[0].new_empty(0, attn.num_heads, attn.head_dim)
+        if (
+            kv_cache.layout.dtype != dtype
+            or len(kv_cache.k) != len(decoders)
+            or not native.supports(probe, kv_cache.k[0])
+        ):
             return None
         return cls(decoders, kv_cache, dtype, norm.eps, inter)
 
     def set_route(self, route: SizeRoute | None) -> None:
         """The row counts where it runs from now on (:func:`kernel_trials.choose_fused`: where
-        it beat the op-by-op layers); None: wherever the kernels it sequences run."""
+        it beat the op-by-op layers, whichever kernels those chose); None: wherever it can."""
         self.route = route
         self._runs.clear()
 
@@ -117,17 +126,25 @@ class FusedDecode:
             return False
         known = self._runs.get(rows)
         if known is None:
-            known = self._runs[rows] = all(w.runs(rows) for w in self._weights) and (
-                self.route is None or self.route(rows)
-            )
-        return known and meta.native_decode(self.heads, self._k_cache0) is not None
+            # The skinny GEMM's own routes do not matter here (the trial compared whole steps),
+            # only that it holds every panel (none given back) and takes this many rows.
+            known = self._runs[rows] = all(
+                0 < rows <= w.max_rows and w.panels.numel() for w in self._weights
+            ) and (self.route is None or self.route(rows))
+        return known and meta.decode_block_tables is not None
 
     def __call__(self, x: torch.Tensor, rot: Rotation, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer on ``x [rows, hidden]`` (overwritten and returned); see :meth:`runs`."""
         rows = x.shape[0]
+        # The step's compiled attention (prepared for the op-by-op layers where its trial
+        # chose it; here it always runs, the fused trial having timed it so).
         prepared = meta.native_decode(self.heads, self._k_cache0)
         if prepared is None:
-            raise RuntimeError("a fused decode step without compiled attention")
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            if tables is None or lens is None:
+                raise RuntimeError("a decode step without block tables")
+            k0 = self._k_cache0
+            prepared = native.PreparedDecode(tables, lens, k0.shape, k0.dtype, self.heads)
         kernels = self._ops
         if kernels is None:
             kernels = self._ops = decode_layers.ops(self.dtype, prepared.entry_address() or 0)

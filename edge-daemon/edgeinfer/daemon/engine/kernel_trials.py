@@ -4,7 +4,8 @@ model's shapes, and where each answer goes.
 * ``skinny_gemm`` against oneDNN's packed matmul: per projection shape (all the model's weights
   of that shape, one after another, as a decode step streams them), at 1, 2, 4 and 8 rows, in
   the model's dtype (float32, or bfloat16 where the build has the AVX512-BF16 kernel).
-  Where it loses at every row count its panels are given back.
+  Where it loses at every row count its panels are given back (:func:`release_panels`) unless
+  the fused decode path, which reads every panel, won somewhere.
 * ``decoder_pointwise`` against the torch ops ``model.py`` and ``rope.py`` fall back to: each
   op (RMSNorm, residual add + RMSNorm, q/k rotation, SiLU * up) at 1, 8, 64, 512 ... tokens.
 * ``decode_layers`` (the fused decode path, :mod:`fused_decode`) against the same layers op by
@@ -119,10 +120,7 @@ def skinny_sets(model: CausalLM, sizes: Sizes) -> list[TrialSet]:
 
         def apply(route: SizeRoute, pairs: list = pairs) -> None:
             for _, panels in pairs:
-                if route.never:
-                    panels.retire()
-                else:
-                    panels.route = route
+                panels.route = route  # lost everywhere: given back later (release_panels)
 
         if trials:
             sets.append(TrialSet("skinny_gemm", trials, apply))
@@ -421,3 +419,15 @@ def choose_fused(
         kernel_choice.MARGIN,
         ", ".join(ratios) or "not timed",
     )
+
+
+def release_panels(model: CausalLM, fused: FusedDecode | None) -> None:
+    """Give back the panels of every weight whose skinny GEMM lost at every row count, unless
+    ``fused`` runs at some row count (it reads every panel: the trial that chose it timed
+    them). Call once the fused path's trial is done (or where there is none)."""
+    if fused is not None and (fused.route is None or not fused.route.never):
+        return
+    for weights in projections(model).values():
+        for _, panels in weights:
+            if panels.route is not None and panels.route.never:
+                panels.retire()

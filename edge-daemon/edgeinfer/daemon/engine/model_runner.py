@@ -19,7 +19,12 @@ from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.fused_decode import FusedDecode
-from edgeinfer.daemon.engine.kernel_trials import Sizes, choose_fused, choose_kernels
+from edgeinfer.daemon.engine.kernel_trials import (
+    Sizes,
+    choose_fused,
+    choose_kernels,
+    release_panels,
+)
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.linear import linear
 from edgeinfer.daemon.engine.model import CausalLM
@@ -90,12 +95,15 @@ class ModelRunner:
         self.kv_cache = KVCache(self.layout, num_blocks, self.device)
         attention = attention_backend(self.device, self.layout)
         self.model.use_attention(attention)
-        if self.device.type == "cpu" and not cfg.enforce_eager:
+        if self.device.type == "cpu":
             # Small decode steps run the layer stack in one compiled call where it fits and
             # where it beat the layers op by op on this host.
-            fused = FusedDecode.of(list(self.model.model.layers), self.kv_cache)
+            fused = None
+            if not cfg.enforce_eager:
+                fused = FusedDecode.of(list(self.model.model.layers), self.kv_cache)
             if fused is not None:
                 choose_fused(self.model, fused, self.kv_cache, self._sizes(cfg), self._threads[0])
+            release_panels(self.model, fused)
             self.model.fused_decode = fused
         self.batches = BatchBuilder(cfg.block_size, attention, self.device)
         self.graphs = None
