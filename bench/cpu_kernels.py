@@ -7,8 +7,9 @@ rows against oneDNN, each ``decoder_pointwise`` op against the torch ops, the de
 attention kernels against the portable path) and reports, per case, what the engine chose
 (its own short timing, fresh, no cache) beside a longer measurement here. The target: every
 case the engine chose is >= 1.1x its baseline here; where it kept the baseline, the baseline
-runs. Last, a whole decode step's projections at 1/2/4/8 rows as the engine routes them, against
-oneDNN only.
+runs. Then the fused decode path (``kernel_trials.fused_trials``: the 30 layers in one compiled
+call against op by op, as routed) at 1/2/4/8 rows; last, a whole decode step's projections at
+1/2/4/8 rows as the engine routes them, against oneDNN only.
 
 ``--march x86-64-v3`` builds the kernels for AVX2 (a stand-in for AVX2 hosts on an AVX-512
 one). Both sides of a case alternate in rounds; each round keeps a block's fastest call and the
@@ -33,7 +34,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from edgeinfer.daemon.engine.kernel_trials import Sizes, projections, trial_sets
+from edgeinfer.daemon.engine.attention_backend import attention_backend
+from edgeinfer.daemon.engine.fused_decode import FusedDecode
+from edgeinfer.daemon.engine.kernel_trials import Sizes, fused_trials, projections, trial_sets
+from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout
 from edgeinfer.daemon.engine.linear import linear
 from edgeinfer.daemon.engine.model import CausalLM
 from edgeinfer.daemon.engine.model_config import ModelConfig
@@ -118,6 +122,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     model = build_model(dtype)
+    cfg = model.config
     sizes = Sizes(dtype, block_size=16, max_num_seqs=64, max_tokens=2048)
     sets = trial_sets(model, sizes)
     if not sets:
@@ -138,6 +143,22 @@ def main() -> None:
                     | {"bench": asdict(t)}
                 )
             s.apply(SizeRoute(verdicts))
+        # The fused decode path against the layers op by op, as routed above.
+        kv_cache = KVCache(
+            KVLayout(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, dtype),
+            256,
+            torch.device("cpu"),
+        )
+        model.use_attention(attention_backend(torch.device("cpu"), kv_cache.layout))
+        fused = FusedDecode.of(list(model.model.layers), kv_cache)
+        for _, trial in [] if fused is None else fused_trials(model, fused, kv_cache, sizes):
+            verdict = engine.decide(trial)
+            t = measure(*trial.setup(), budget_s=args.budget)
+            results.append(
+                {"kernel": trial.kernel, "case": trial.case, "baseline": trial.baseline}
+                | {"engine_ratio": verdict.timing.ratio, "chosen": verdict.chosen}
+                | {"bench": asdict(t)}
+            )
         results += step_rows(model, args.budget)
     flags = host_flags()
     title = f"compiled CPU kernels, -march={args.march}, {args.dtype}, {args.threads} threads"

@@ -166,7 +166,8 @@ async def run(args: argparse.Namespace) -> None:
     # Repeat k draws its load from seed + k: every setup gets the same requests within a repeat,
     # but no repeat sends prompts an earlier one sent (their prefix caches would answer them).
     options = {"quick": args.quick, "rates": rates, "concurrency": args.concurrency,
-               "trace_dir": args.trace_dir, "trace": args.trace, "slo": slo}  # fmt: skip
+               "trace_dir": args.trace_dir, "trace": args.trace, "slo": slo,
+               "requests": args.requests}  # fmt: skip
     out_path = args.out or RESULTS_DIR / ("serving_quick.json" if args.quick else "serving.json")
     stored = load_results(out_path)
     started = time.monotonic()
@@ -300,6 +301,9 @@ def main() -> None:
     )
     p.add_argument("--slo-ttft-s", type=float, help="override every workload's TTFT SLO")
     p.add_argument("--slo-itl-ms", type=float, help="override every workload's p99 ITL SLO")
+    p.add_argument(
+        "--requests", type=int, help="requests per workload and repeat (default: the workload's)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--repeat",

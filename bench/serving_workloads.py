@@ -12,6 +12,7 @@ servers busy without queueing without bound, and finish in one to three minutes.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import random
 from dataclasses import dataclass
 from datetime import datetime
@@ -174,9 +175,15 @@ def build(
     trace_dir: Path,
     trace: str,
     slo: dict[str, tuple[float, float]],
+    requests: int | None = None,
 ) -> list[Workload]:
-    """The named workloads, in the order given."""
+    """The named workloads, in the order given; ``requests`` replaces every workload's request
+    count (a tail percentile of a dozen requests' gaps swings from run to run)."""
     s = QUICK if quick else FULL
+    if requests:
+        s = dataclasses.replace(
+            s, long_n=requests, chat_n=requests, azure_n=requests, closed_n=requests
+        )
     out = []
     for name in names:
         if name == "long":

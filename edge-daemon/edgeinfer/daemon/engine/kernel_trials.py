@@ -388,23 +388,35 @@ def _fused_setup(model: CausalLM, fused: FusedDecode, kv_cache: KVCache, rows: i
     return setup
 
 
+def fused_trials(
+    model: CausalLM, fused: FusedDecode, kv_cache: KVCache, sizes: Sizes
+) -> list[tuple[int, Trial]]:
+    """The fused decode path's trials, by rows; none where its library did not build."""
+    build = native_build.build_id("decode_layers")
+    if build is None:
+        return []
+    name = f"{model.config.num_layers} layers {_name(fused.dtype)}"
+    return [
+        (rows, Trial(
+            "decode_layers", f"{name}, {rows} rows of {DECODE_CONTEXT} tokens", "op by op",
+            build, _fused_setup(model, fused, kv_cache, rows),
+        ))
+        for rows in SKINNY_ROWS
+        if rows <= min(sizes.max_num_seqs, skinny_gemm.max_rows())
+    ]  # fmt: skip
+
+
 def choose_fused(
     model: CausalLM, fused: FusedDecode, kv_cache: KVCache, sizes: Sizes, threads: int
 ) -> None:
     """Time the fused decode path against the op-by-op layers (at ``threads``, the decode
-    steps' torch threads) and set where it runs; a row count where a kernel it sequences does
-    not run, or where it did not win, keeps the layers op by op."""
-    build = native_build.build_id("decode_layers")
-    if kernel_choice.mode() == "off" or build is None:
+    steps' torch threads) and set where it runs; a row count where it could not be timed, or
+    did not win, keeps the layers op by op."""
+    if kernel_choice.mode() == "off" or not native_build.enabled():
         return
     chooser = Chooser(threads)
-    name = f"{model.config.num_layers} layers {_name(fused.dtype)}"
     verdicts, ratios = {}, []
-    for rows in (r for r in SKINNY_ROWS if r <= min(sizes.max_num_seqs, skinny_gemm.max_rows())):
-        case = f"{name}, {rows} rows of {DECODE_CONTEXT} tokens"
-        trial = Trial(
-            "decode_layers", case, "op by op", build, _fused_setup(model, fused, kv_cache, rows)
-        )
+    for rows, trial in fused_trials(model, fused, kv_cache, sizes):
         try:
             verdict = chooser.decide(trial)
             verdicts[rows] = verdict.chosen
