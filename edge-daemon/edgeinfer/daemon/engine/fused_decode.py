@@ -73,7 +73,7 @@ class FusedDecode:
         self.layers = (decode_layers.Layer * len(table))(*table)
         self._k_cache0 = kv_cache.k[0]
         self.route: SizeRoute | None = None  # see set_route
-        self._runs: dict[int, bool] = {}  # rows -> every projection takes the skinny GEMM
+        self._runs: dict[int, bool] = {}  # rows -> panels held, rows taken, route allows
         self._scratch: dict[int, list[torch.Tensor]] = {}
         self._ops: decode_layers.Ops | None = None
 
