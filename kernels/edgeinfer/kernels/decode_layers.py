@@ -79,7 +79,7 @@ def _entries() -> dict[torch.dtype, Any] | None:
     return entries
 
 
-def ops(dtype: torch.dtype, attention: int) -> Ops | None:
+def ops(dtype: torch.dtype, attention: int | None) -> Ops | None:
     """The kernels this library sequences for ``dtype``, with ``attention`` the decode
     attention's entry point (:meth:`PreparedDecode.entry_address`); None where any of them,
     or this library, is not built here."""

@@ -35,23 +35,17 @@ def _address(t: torch.Tensor | None) -> int:
 class FusedDecode:
     """The layer stack of one model as :mod:`decode_layers` runs it; build with :meth:`of`."""
 
-    def __init__(
-        self,
-        layers: list[DecoderLayer],
-        kv_cache: KVCache,
-        dtype: torch.dtype,
-        eps: float,
-        inter: int,
-    ) -> None:
+    def __init__(self, layers: list[DecoderLayer], kv_cache: KVCache) -> None:
         """Use :meth:`of`, which checks that every layer fits."""
-        attn = layers[0].self_attn
-        self.dtype = dtype
+        first = layers[0]
+        attn, norm = first.self_attn, first.input_layernorm
+        self.dtype = dtype = norm.weight.dtype
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.hidden = layers[0].input_layernorm.weight.shape[0]
-        self.inter = inter
+        self.hidden = norm.weight.shape[0]
+        self.inter = first.mlp.down_proj.in_features
         self.dims = decode_layers.Dims(
-            self.hidden, self.heads, self.kv_heads, self.head_dim, inter, dtype.itemsize, eps,
-            attn.scale,
+            self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, dtype.itemsize,
+            norm.eps, attn.scale,
         )  # fmt: skip
         self._weights: list[SkinnyWeight] = []
         table = []
@@ -80,9 +74,9 @@ class FusedDecode:
     @classmethod
     def of(cls, layers: list[torch.nn.Module], kv_cache: KVCache) -> FusedDecode | None:
         """The fused stack for these layers and caches, or None where it cannot take them."""
-        if not layers or not all(isinstance(layer, DecoderLayer) for layer in layers):
-            return None
         decoders = [layer for layer in layers if isinstance(layer, DecoderLayer)]
+        if not decoders or len(decoders) != len(layers):
+            return None
         first = decoders[0]
         dtype = first.input_layernorm.weight.dtype
         if not decode_layers.available(dtype) or kv_cache.k[0].device.type != "cpu":
@@ -96,13 +90,11 @@ class FusedDecode:
                 or layer._forward_pre_hooks
                 or any(p.skinny is None for p in projections)
                 or any(
-                    t is not None and (t.dtype != dtype or not t.is_contiguous())
-                    for t in (a.qkv.bias, a.o_proj.bias, m.gate_up.bias, m.down_proj.bias)
+                    p.bias is not None and (p.bias.dtype != dtype or not p.bias.is_contiguous())
+                    for p in projections
                 )
             ):
                 return None
-        norm = first.input_layernorm
-        inter = first.mlp.down_proj.in_features
         attn = first.self_attn
         probe = kv_cache.k[0].new_empty(0, attn.num_heads, attn.head_dim)
         if (
@@ -111,7 +103,7 @@ class FusedDecode:
             or not native.supports(probe, kv_cache.k[0])
         ):
             return None
-        return cls(decoders, kv_cache, dtype, norm.eps, inter)
+        return cls(decoders, kv_cache)
 
     def set_route(self, route: SizeRoute | None) -> None:
         """The row counts where it runs from now on (:func:`kernel_trials.choose_fused`: where
@@ -147,7 +139,7 @@ class FusedDecode:
             prepared = native.PreparedDecode(tables, lens, k0.shape, k0.dtype, self.heads)
         kernels = self._ops
         if kernels is None:
-            kernels = self._ops = decode_layers.ops(self.dtype, prepared.entry_address() or 0)
+            kernels = self._ops = decode_layers.ops(self.dtype, prepared.entry_address())
             if kernels is None:
                 raise RuntimeError("the fused decode kernels are not built here")
         scratch = self._scratch.get(rows)
