@@ -42,7 +42,7 @@ from edgeinfer.daemon.engine.linear import linear
 from edgeinfer.daemon.engine.model import CausalLM
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.kernels import kernel_choice, native_build
-from edgeinfer.kernels.kernel_choice import Chooser, SizeRoute, measure
+from edgeinfer.kernels.kernel_choice import Chooser, SizeRoute, Trial, measure
 
 RESULTS = Path(__file__).parent / "results"
 SMOLLM2 = {
@@ -131,27 +131,9 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         engine = Chooser(args.threads, path=Path(tmp) / "choice.json")  # fresh: no cache
-        for s in sets:
-            verdicts = {}
-            for size, trial, _ in s.trials:
-                verdict = engine.decide(trial)
-                verdicts[size] = verdict.chosen
-                t = measure(*trial.setup(), budget_s=args.budget)
-                results.append(
-                    {"kernel": trial.kernel, "case": trial.case, "baseline": trial.baseline}
-                    | {"engine_ratio": verdict.timing.ratio, "chosen": verdict.chosen}
-                    | {"bench": asdict(t)}
-                )
-            s.apply(SizeRoute(verdicts))
-        # The fused decode path against the layers op by op, as routed above.
-        kv_cache = KVCache(
-            KVLayout(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, dtype),
-            256,
-            torch.device("cpu"),
-        )
-        model.use_attention(attention_backend(torch.device("cpu"), kv_cache.layout))
-        fused = FusedDecode.of(list(model.model.layers), kv_cache)
-        for _, trial in [] if fused is None else fused_trials(model, fused, kv_cache, sizes):
+
+        def check(trial: Trial) -> bool:
+            """The engine's verdict on ``trial`` beside a longer measurement here (a row)."""
             verdict = engine.decide(trial)
             t = measure(*trial.setup(), budget_s=args.budget)
             results.append(
@@ -159,6 +141,17 @@ def main() -> None:
                 | {"engine_ratio": verdict.timing.ratio, "chosen": verdict.chosen}
                 | {"bench": asdict(t)}
             )
+            return verdict.chosen
+
+        for s in sets:
+            s.apply(SizeRoute({size: check(trial) for size, trial, _ in s.trials}))
+        # The fused decode path against the layers op by op, as routed above.
+        layout = KVLayout(cfg.num_layers, sizes.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        kv_cache = KVCache(layout, 256, torch.device("cpu"))
+        model.use_attention(attention_backend(torch.device("cpu"), layout))
+        fused = FusedDecode.of(list(model.model.layers), kv_cache)
+        for _, trial in [] if fused is None else fused_trials(model, fused, kv_cache, sizes):
+            check(trial)
         results += step_rows(model, args.budget)
     flags = host_flags()
     title = f"compiled CPU kernels, -march={args.march}, {args.dtype}, {args.threads} threads"

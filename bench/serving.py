@@ -185,8 +185,7 @@ async def run(args: argparse.Namespace) -> None:
     runs: dict[str, Any] = {}
     comps: dict[str, Any] = {}
     reps: dict[str, list[dict[str, Any]]] = {}
-    procs: list[ChildProcess] = []
-    by_setup: dict[str, list[ChildProcess]] = {}
+    by_setup: dict[str, list[ChildProcess]] = {}  # every process this run started
     try:
         apis: dict[str, str] = {}
         # edgeinfer's setups one at a time, each up before the next and before vLLM starts: a
@@ -194,16 +193,13 @@ async def run(args: argparse.Namespace) -> None:
         # compiling those timings were a busy host's.
         ours = [[s] for s in setups if s not in VLLM_SETUPS]
         for group in [*ours, [s for s in setups if s in VLLM_SETUPS]]:
-            launched: list[ChildProcess] = []
             for setup in group:
                 if args.url:
                     apis[setup] = args.url
                     continue
-                api, started_procs = launch(setup, model_dir, args)
-                launched += started_procs
-                by_setup[setup] = started_procs
+                api, by_setup[setup] = launch(setup, model_dir, args)
                 apis[setup] = api.url
-            procs += launched
+            launched = [p for setup in group for p in by_setup.get(setup, [])]
             # Then every setup stays up, idle (stopped, see alone()), while the others run:
             # the setups take turns on each workload, so drift in the load of this shared
             # machine falls on all of them alike.
@@ -238,7 +234,7 @@ async def run(args: argparse.Namespace) -> None:
                     meta["total_s"] = time.monotonic() - started
                     runs, comps = save(out_path, stored, meta)
     finally:
-        for proc in procs:
+        for proc in (p for ps in by_setup.values() for p in ps):
             proc.stop(timeout_s=15, group=True)
     print_tables(runs, comps)
     console.print(f"wrote {out_path}")

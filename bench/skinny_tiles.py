@@ -37,12 +37,9 @@ VARIANTS = {"one panel": (), "up to 8 panels": ("EDGEINFER_BF16_TILE_PANELS=8",)
 
 
 def gemm_of(defines: tuple[str, ...]) -> ctypes._CFuncPtr:
+    """The bf16 entry point of a build with ``defines``, typed as the engine's wrapper types it."""
     lib = ctypes.CDLL(str(native_build.build("skinny_gemm", defines=defines)))
-    gemm = lib.edgeinfer_skinny_gemm_bf16
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    gemm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    gemm.restype = ctypes.c_int
-    return gemm
+    return skinny_gemm._Kernel(lib).gemm[torch.bfloat16]
 
 
 def main() -> None:
