@@ -27,6 +27,10 @@ an ``edge-router`` process without API keys vs through one with keys and every l
 reached), in the same run, and the keys-on/keys-off ratio of the added p99 (see
 ``router_latency.py``).
 
+``snapshot_update_ms_*`` (in ``decisions``): what a batch of load-only heartbeats costs before
+the next decision: the registry's new snapshot with the arrays carried over, against the same
+snapshot's arrays built afresh (what every new snapshot cost before).
+
 Prints a table and merges its results into ``bench/results/router.json`` (other measurements of
 this file keep their keys).
 
@@ -56,6 +60,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from edgeinfer.router.geo import GeoPoint  # noqa: E402
+from edgeinfer.router.load_arrays import Prepared, prepared  # noqa: E402
 from edgeinfer.router.network import NetworkModel, unit_vectors  # noqa: E402
 from edgeinfer.router.pop_registry import DaemonView, PopConfig, PopRegistry  # noqa: E402
 from edgeinfer.router.prefix_index import PrefixIndex, U64Array  # noqa: E402
@@ -211,6 +216,7 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
     # daemon of the client's nearest PoP (a conversation's earlier turn placed there: all of
     # it) and one elsewhere (80%).
     via_index = bench_prefix_index(registry.snapshot(now), pops, plain, reqs)
+    carried_ms, built_ms = bench_snapshot_update(pops, rng)
     with_index = run(None)
     reqs[:] = plain
     churn = run(max(1, int(statistics.median(static) / beats_per_s)))
@@ -235,9 +241,43 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "us_per_decision_static": round(1e6 / max(static), 2),
         "heartbeats_per_s_in_churn": beats_per_s,
+        # A new snapshot after 7 load-only heartbeats (~50 ms of them at 700 daemons): the
+        # arrays carried over vs built afresh, medians.
+        "snapshot_update_ms_carried": round(carried_ms, 3),
+        "snapshot_update_ms_built": round(built_ms, 3),
         "target_decisions_per_s": TARGET_DECISIONS_PER_S,
         "meets_target": min(max(static), max(churn)) >= TARGET_DECISIONS_PER_S,
     }
+
+
+def bench_snapshot_update(pops: list[PopConfig], rng: random.Random) -> tuple[float, float]:
+    """Milliseconds from a batch of 7 load-only heartbeats to arrays a decision can use: the
+    registry's next snapshot and its arrays carried over (``LoadArrays.carry``), against the
+    same snapshot's arrays built afresh. Medians of 300 snapshots."""
+    registry = PopRegistry(pops, here=pops[0].name, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                           coalesce_s=0.0)  # fmt: skip
+    now = 1000.0
+    daemons = [(url, pop.name) for pop in pops for url in pop.daemons]
+    for url, pop in daemons:
+        registry.update(synthetic_heartbeat(url, pop, 0, rng), now)
+    net, cfg = NetworkModel(), PlacementConfig()
+    prepared(registry.snapshot(now), net, cfg, registry.pending).arrays(MODEL, now)
+    carried, built = [], []
+    for i in range(300):
+        t = now + (i + 1) * 0.003  # 300 snapshots inside REBUILD_S: every one is carried
+        for k in range(7):
+            url, pop = daemons[(7 * i + k) % len(daemons)]
+            registry.update(synthetic_heartbeat(url, pop, i + 1, rng), t)
+        start = time.perf_counter()
+        views = registry.snapshot(t)
+        a = prepared(views, net, cfg, registry.pending).arrays(MODEL, t)
+        carried.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        Prepared(views, net, cfg, registry.pending).arrays(MODEL, t)
+        built.append(time.perf_counter() - start)
+        if a.built_at != now:
+            raise RuntimeError("the arrays were built again, not carried over")
+    return statistics.median(carried) * 1e3, statistics.median(built) * 1e3
 
 
 def bench_prefix_index(

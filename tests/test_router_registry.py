@@ -236,17 +236,29 @@ def test_cancel_restart_and_reload_forget_pending(reg: PopRegistry) -> None:
     assert tuple(reg.pending.totals(NYC)) == (0.0, 0.0, 0.0)
 
 
-def test_the_journal_is_trimmed_when_the_snapshot_changes(reg: PopRegistry) -> None:
+def test_load_only_snapshots_name_what_changed_and_readers_trim_the_journal(
+    reg: PopRegistry,
+) -> None:
     reg.update(hb(seq=1), 0.0)
     first = reg.snapshot(0.0)
+    assert first.base is None and first.changed is None  # the first: anything changed
+    first.derived["x"] = object()  # a reader derived something from it
     v0 = reg.pending.version
     reg.pending.record(0.1, FRA, None, 100, 200, 0.1, 0.1, 0.01)
     assert reg.snapshot(0.1) is first  # placements do not change the snapshot...
     assert reg.pending.changes_since(v0) == [(FRA, 1.0, 200.0, 100.0, 0.1)]  # ...journaled
-    reg.update(hb(seq=2), 0.2)
-    reg.snapshot(0.2)
-    assert reg.pending.changes_since(v0) is None  # readers of `first` rebuild from totals
+    reg.update(hb(seq=2, running=3), 0.2)
+    second = reg.snapshot(0.2)
+    assert second.base is first and second.changed == {FRA}  # load only: carry from `first`
+    assert reg.pending.changes_since(v0) is not None  # kept until readers catch up
+    reg.pending.trim_to(reg.pending.version)
+    assert reg.pending.changes_since(v0) is None  # readers older than that rebuild
     assert reg.pending.changes_since(reg.pending.version) == []
+    reg.update(hb(seq=3, running=4), 0.3)
+    third = reg.snapshot(0.3)  # nothing was derived from `second`: from what it came from
+    assert third.base is first and third.changed == {FRA} and second.base is None
+    reg.update(hb(seq=4, draining=True), 0.4)
+    assert reg.snapshot(0.4).changed is None  # availability changed: anything may have
 
 
 def test_load_only_heartbeats_are_coalesced_availability_changes_are_not() -> None:

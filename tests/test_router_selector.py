@@ -305,3 +305,64 @@ def test_updates_per_placement_match_a_rebuild() -> None:
     # The pruning keys may lag the pool's minima, but only downwards: still lower bounds.
     for name in ("key_short", "key_long", "pooled_short", "pooled_long"):
         assert np.all(np.asarray(getattr(live, name)) <= np.asarray(getattr(fresh, name)) + 1e-9)
+
+
+def test_arrays_carried_to_a_load_only_snapshot_match_a_rebuild() -> None:
+    """A snapshot that differs only in the load a few daemons reported carries the arrays over
+    (the same object, its rows read again) and they equal arrays built afresh; a change of
+    availability builds them afresh."""
+    daemons = {
+        "lon": ("http://lon-d:8000", "http://lon-p1:8000", "http://lon-p2:8000"),
+        "sea": ("http://sea-d:8000", "http://sea-p:8000", "http://sea-b:8000"),
+        "cgq": ("http://cgq-b:8000",),
+    }
+    roles = {"d": "decode", "p": "prefill", "b": "both"}
+    w = World(daemons)
+    for urls in daemons.values():
+        for url in urls:
+            w.beat(url, role=roles[url.split("-")[1][0]], queued_prefill_tokens=500)
+    rng = random.Random(4)
+
+    def decide(n: int) -> load_arrays.LoadArrays:
+        for _ in range(n):
+            views = w.reg.snapshot(w.now)
+            f = RequestFeatures(rng.choice([100, 900, 5000]), 200, "m")
+            client = GeoPoint(*COORDS[rng.choice(list(COORDS))])
+            best = select(views, client, f, NET, CFG, rng, "lon", pending=w.reg.pending,
+                          now=w.now)[0]  # fmt: skip
+            record_placement(w.reg.pending, best, f, w.now)
+        return load_arrays.prepared(views, NET, CFG, w.reg.pending).arrays("m", w.now)
+
+    before = decide(30)
+    # New load (at the same instant: a build drains the reported and the pending queue as two,
+    # where the arrays between snapshots keep one end per daemon, so only then are they equal) from two decode-capable daemons and one prefill daemon (not their PoPs' best).
+    w.beat("http://sea-b:8000", role="both", running=9, queued_prefill_tokens=20_000,
+           prefill_tokens_per_s=8000.0, decode_tokens_per_s=700.0, itl_p50_s=0.02)  # fmt: skip
+    w.beat("http://lon-d:8000", role="decode", running=1, kv_blocks_free=3000)
+    w.beat("http://lon-p2:8000", role="prefill", queued_prefill_tokens=4000)
+    views = w.reg.snapshot(w.now)
+    assert views.changed == {"http://sea-b:8000", "http://lon-d:8000", "http://lon-p2:8000"}
+    live = decide(10)
+    assert live is before  # carried over, not built again
+    fresh = load_arrays.LoadArrays(views, "m", live.geo, CFG, w.reg.pending, w.now)
+    assert live.colo == fresh.colo and live.pool_list == fresh.pool_list
+    assert [v.url for v in live.d] == [v.url for v in fresh.d] and live.d == fresh.d
+    np.testing.assert_allclose(np.asarray(live.d_rows), np.asarray(fresh.d_rows))
+    for name in ("p_end", "p_inv", "pool_end", "pool_inv", "d_static", "own_short", "own_long",
+                 "d_measured"):  # fmt: skip
+        np.testing.assert_allclose(getattr(live, name), getattr(fresh, name), err_msg=name)
+    assert live.p_end_l == live.p_end.tolist() and live.load == pytest.approx(fresh.load)
+    # As between heartbeats, the pruning keys may lag the pool's minima, only downwards.
+    for name in ("key_short", "key_long", "pooled_short", "pooled_long"):
+        assert np.all(np.asarray(getattr(live, name)) <= np.asarray(getattr(fresh, name)) + 1e-9)
+
+    w.now += 0.3
+    w.beat("http://sea-d:8000", role="decode", draining=True)  # availability: a full build
+    assert w.reg.snapshot(w.now).changed is None
+    assert decide(1) is not live
+    w.now += load_arrays.REBUILD_S  # load only, but the carried build is too old: again
+    w.beat("http://lon-d:8000", role="decode", running=2)
+    rebuilt = decide(1)
+    w.now += 0.3
+    w.beat("http://lon-d:8000", role="decode", running=3)
+    assert decide(1) is rebuilt

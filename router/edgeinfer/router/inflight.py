@@ -40,6 +40,8 @@ Change = tuple[str, float, float, float, float]
 # recent()'s time constant: long beside a request (the count is a share of traffic, not what is
 # in flight), short beside a deployment's traffic shifts.
 RECENT_S = 60.0
+# Readers trim the journal as they catch up (trim_to); this bounds it when none does.
+MAX_JOURNAL = 100_000
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -112,6 +114,12 @@ class PlacementLedger:
         """Drop the journal: readers older than now rebuild from :meth:`totals`."""
         self._base = self.version
         self._journal.clear()
+
+    def trim_to(self, version: int) -> None:
+        """Drop the changes before ``version``: no reader older than it is left."""
+        if version > self._base:
+            del self._journal[: version - self._base]
+            self._base = version
 
     def record(
         self,
@@ -208,6 +216,8 @@ class PlacementLedger:
         t[1] += change[2]
         t[2] += change[3]
         self._journal.append(change)
+        if len(self._journal) > MAX_JOURNAL:  # no reader kept up (none asked): they rebuild
+            self.trim()
 
 
 _ZERO = (0.0, 0.0, 0.0)

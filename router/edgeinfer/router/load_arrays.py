@@ -25,6 +25,13 @@ chosen per snapshot (every heartbeat: ~100 a second at 600 daemons, and with few
 prefill daemon is in the pool); between, they are priced as placements load them, while a
 daemon outside them that has become the cheaper one waits for the next snapshot. The pruning
 keys are exact for the rows a placement touched and lower bounds elsewhere.
+
+Most snapshots differ from the one before only in the load a few daemons reported (the
+registry's ``Snapshot.base`` and ``changed``): then the arrays are carried over instead of built
+again (~3 ms at 700 daemons, ~100 times a second): the journal of placements is applied, and the
+rows of the daemons that reported are read again from their heartbeats and the ledger, as the
+build reads every row. Pool and co-located peers stay as chosen; a full build, which chooses
+them again, comes with any change of availability and at least every ``REBUILD_S`` seconds.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ from edgeinfer.router.pop_registry import DaemonView, Snapshot
 from edgeinfer.router.session_affinity import AffinityRing
 
 BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
+# Carried arrays are built afresh after this long (seconds on the registry's clock), so that pool
+# and co-located peers follow the load: a small fraction of a heartbeat period.
+REBUILD_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +123,13 @@ class LoadArrays:
         self, views: Sequence[DaemonView], model: str, geo: PopGeometry, cfg: PlacementConfig,
         pending: PlacementLedger | None, now: float | None,
     ) -> None:  # fmt: skip
-        self.cfg, self.geo = cfg, geo
+        self.cfg, self.geo, self.model = cfg, geo, model
         self.pending = pending  # read at decision time too: recent placements break ties
         self.version = pending.version if pending is not None else 0
+        self.built_at = now  # the full build's clock (None: no clock), see REBUILD_S
         t = now if now is not None else 0.0
         age = pending.report_lag_s / 2 if pending is not None else 0.0
+        self._age = age
         mine = [v for v in views if v.available and v.model == model]
         self.d = d = [v for v in mine if v.role in ("decode", "both")]
         self.p = p = [v for v in mine if v.role in ("prefill", "both") and v.kv_endpoint]
@@ -384,15 +396,133 @@ class LoadArrays:
             self._derive(row, t)
         self.version = version
 
+    # ---- carried over to the next snapshot ------------------------------------------
+    def carry(self, changed: Sequence[DaemonView], now: float | None) -> bool:
+        """Take the next snapshot's load: the journal since this build, then the rows of
+        ``changed`` (the daemons whose heartbeats the snapshot added) read again as the build
+        reads them. False when only a full build will do: too old (``REBUILD_S``), the journal
+        trimmed, or a daemon that joined, left or changed what it serves (the registry marks
+        those snapshots, this checks)."""
+        pending = self.pending
+        if now is not None and (self.built_at is None or now - self.built_at >= REBUILD_S):
+            return False
+        changes = pending.changes_since(self.version) if pending is not None else []
+        if changes is None:
+            return False
+        rows = []
+        for v in changed:
+            mine = v.available and v.model == self.model
+            i, j = self.d_of.get(v.url), self.p_of.get(v.url)
+            if (
+                (i is not None) != (mine and v.role in ("decode", "both"))
+                or (j is not None) != (mine and v.role in ("prefill", "both") and bool(v.kv_endpoint))
+                or v.kv_bytes_per_token > self.kv_bytes_per_token
+                or v.prefill_chunk_tokens > self.chunk_tokens
+            ):  # fmt: skip
+                return False
+            rows.append((v, i, j))
+        if changes:
+            self.apply(changes, pending.version if pending is not None else 0)
+        t = now if now is not None else 0.0
+        again: set[int] = set()
+        pooled = False
+        for v, i, j in rows:
+            if j is not None:
+                pooled |= self._reload_p(j, v, now)
+                again.update(self.colo_rows.get(j, ()))
+            if i is not None:
+                self._reload_d(i, v, now)
+                again.add(i)
+        if pooled and self._pooled(t):
+            self._keys()
+        for i in again:
+            self._derive(i, t)
+        return True
+
+    def _pending_of(self, url: str, rate: float, now: float | None) -> tuple[float, float, float]:
+        """This router's pending (sequences, KV tokens, prefill seconds) on ``url``, as the
+        build reads them."""
+        pending = self.pending
+        if pending is None:
+            return 0.0, 0.0, 0.0
+        seqs, kv, tokens = pending.totals(url)
+        if now is None:
+            return seqs, kv, tokens / rate
+        end = pending.prefill_end(url) - now
+        return seqs, kv, end if end > 0.0 else 0.0
+
+    def _reload_d(self, i: int, v: DaemonView, now: float | None) -> None:
+        """Row ``i``'s raw load from its view (``_derive`` turns it into the decision's row)."""
+        cfg = self.cfg
+        rate = v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s
+        seqs, kv, prefill_s = self._pending_of(v.url, rate, now)
+        self.d[i] = v
+        self.running[i] = v.running + seqs
+        self.waiting[i] = float(v.waiting)
+        self.free[i] = v.kv_blocks_free * v.block_size - kv
+        self.d_rate[i] = v.decode_tokens_per_s or cfg.default_decode_tokens_per_s
+        self.p50[i] = v.itl_p50_s if v.itl_p50_s is not None else cfg.default_itl_s
+        self.measured[i] = v.decode_tokens_per_s > 0
+        self.local_max[i] = math.inf if v.role == "both" else float(v.local_prefill_threshold)
+        self.d_measured[i] = v.rtt_s or 0.0
+        inv = 1.0 / rate
+        self.local_inv[i] = inv
+        queued = v.queued_prefill_tokens * inv
+        if now is not None:
+            reported = (v.last_seen or 0.0) - self._age
+            end = reported + queued if reported + queued > now else now
+        else:
+            end = queued
+        self.local_end[i] = end + prefill_s
+
+    def _reload_p(self, j: int, v: DaemonView, now: float | None) -> bool:
+        """Prefill daemon ``j``'s rate and queue from its view; True if it is in the pool."""
+        rate = v.prefill_tokens_per_s or self.cfg.default_prefill_tokens_per_s
+        _, _, prefill_s = self._pending_of(v.url, rate, now)
+        self.p[j] = v
+        inv = 1.0 / rate
+        queued = v.queued_prefill_tokens * inv
+        if now is not None:
+            reported = (v.last_seen or 0.0) - self._age
+            end = reported + queued if reported + queued > now else now
+        else:
+            end = queued
+        end += prefill_s
+        self.p_inv[j] = self.p_inv_l[j] = inv
+        self.p_end[j] = self.p_end_l[j] = end
+        self.p_inv_mean = float(self.p_inv.mean())
+        k = self.pool_at.get(j)
+        if k is None:
+            return False
+        self.pool_inv[k], self.pool_end[k] = inv, end
+        return True
+
 
 class Prepared:
     """One snapshot: its PoP geometry and, per model, its :class:`LoadArrays`."""
 
     def __init__(
         self, views: Sequence[DaemonView], net: NetworkModel, cfg: PlacementConfig,
-        pending: PlacementLedger | None,
+        pending: PlacementLedger | None, base: Prepared | None = None,
+        changed: frozenset[str] = frozenset(),
     ) -> None:  # fmt: skip
+        """``base``: the previous snapshot's, which differs from ``views`` only in the load of
+        the daemons ``changed`` (their availability, roles and models are the same): its
+        geometry is kept and its arrays are carried over (:meth:`LoadArrays.carry`)."""
         self.views, self.net, self.cfg, self.pending = list(views), net, cfg, pending
+        self.geo: PopGeometry
+        self.catchment_dot: float
+        self.default_model: str | None
+        self._by_model: dict[str, LoadArrays] = {}
+        self._carried: dict[str, LoadArrays] = {}
+        self._changed: list[DaemonView] = []
+        if base is not None:
+            self.geo, self.catchment_dot = base.geo, base.catchment_dot
+            self.default_model = base.default_model
+            self._carried = base._by_model
+            base._by_model = {}  # they move: the old snapshot builds its own if asked again
+            self._changed = [v for v in self.views if v.url in changed]
+            return
         self.geo = pop_geometry({v.pop: (v.lat, v.lon) for v in views}, net)
         # Clients whose dot product with the router's PoP exceeds this are in its catchment.
         # (> 1, so nobody, when catchment_km <= 0 switches measured RTTs off.)
@@ -402,17 +532,21 @@ class Prepared:
         counts = Counter(v.model for v in views if v.available and v.model and v.role != "prefill")
         # Ties broken by name so every router picks the same default.
         self.default_model = min(counts, key=lambda m: (-counts[m], m)) if counts else None
-        self._by_model: dict[str, LoadArrays] = {}
 
     def arrays(self, model: str, now: float | None) -> LoadArrays:
         a = self._by_model.get(model)
         pending = self.pending
+        c = self._carried.pop(model, None) if a is None else None
+        if c is not None and c.carry(self._changed, now):
+            a = self._by_model[model] = c
         changes = pending.changes_since(a.version) if a is not None and pending else []
         if a is None or changes is None:  # new, or the journal was trimmed: from the totals
             a = LoadArrays(self.views, model, self.geo, self.cfg, pending, now)
             self._by_model[model] = a
         elif changes and pending is not None:
             a.apply(changes, pending.version)
+        if pending is not None:
+            pending.trim_to(min(x.version for x in self._by_model.values()))
         return a
 
 
@@ -427,11 +561,23 @@ def prepared(
     sequence of views gets a fresh one: nothing says it will not change)."""
     cache = views.derived if isinstance(views, Snapshot) else None
     s = cache.get(_PREPARED) if cache is not None else None
-    # `in` tests identity before equality, which for a dataclass builds tuples: the proxy
-    # passes the same objects every time.
-    if isinstance(s, Prepared) and s.net in (net,) and s.cfg in (cfg,) and s.pending is pending:
+    if isinstance(s, Prepared) and _same(s, net, cfg, pending):
         return s
-    prep = Prepared(views, net, cfg, pending)
+    base, changed = None, frozenset[str]()
+    if isinstance(views, Snapshot):
+        b = views.base.derived.get(_PREPARED) if views.base is not None else None
+        if isinstance(b, Prepared) and views.changed is not None and _same(b, net, cfg, pending):
+            base, changed = b, views.changed
+        views.base = None  # carried or not, the chain of snapshots ends here
+    prep = Prepared(views, net, cfg, pending, base, changed)
     if cache is not None:
         cache[_PREPARED] = prep
     return prep
+
+
+def _same(
+    p: Prepared, net: NetworkModel, cfg: PlacementConfig, pending: PlacementLedger | None
+) -> bool:
+    # `in` tests identity before equality, which for a dataclass builds tuples: the proxy
+    # passes the same objects every time.
+    return p.net in (net,) and p.cfg in (cfg,) and p.pending is pending

@@ -115,13 +115,22 @@ class DaemonView:
 class Snapshot(list[DaemonView]):
     """Every daemon's view at one instant, and what placement derived from it (``derived``:
     its load arrays, :func:`edgeinfer.router.load_arrays.prepared`), which lives and dies
-    with the snapshot instead of in a module global."""
+    with the snapshot instead of in a module global.
 
-    __slots__ = ("derived",)
+    ``base`` is the snapshot this one differs from only in the load of the daemons ``changed``
+    (URLs): no daemon joined, left, changed availability, role or model, so what was derived
+    from ``base`` may be carried over and updated. None: anything may have changed. The
+    first reader drops ``base`` (a chain of snapshots would never be freed)."""
 
-    def __init__(self, views: Iterable[DaemonView] = ()) -> None:
+    __slots__ = ("base", "changed", "derived")
+
+    def __init__(
+        self, views: Iterable[DaemonView] = (), base: Snapshot | None = None,
+        changed: frozenset[str] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(views)
         self.derived: dict[str, object] = {}
+        self.base, self.changed = base, changed
 
 
 @dataclasses.dataclass
@@ -314,7 +323,9 @@ class PopRegistry:
         ):
             return self._snapshot
         # A freshness deadline passed (or time ran backwards): every view may have changed.
-        stale = self._snapshot is None or not built_at <= now < expires_at
+        prev = self._snapshot
+        stale = prev is None or not built_at <= now < expires_at
+        changed = None if stale or self._urgent else frozenset(self._dirty)
         for url, (arrived, restart) in self._arrived.items():
             if restart:
                 self.pending.forget(url)  # the new process has none of the old one's work
@@ -329,8 +340,19 @@ class PopRegistry:
         period = STALE_PERIODS * self.heartbeat_interval_s
         seen = [d.last_seen for d in self._daemons.values() if d.last_seen is not None]
         self._valid = (now, min((t + period for t in seen if t + period >= now), default=math.inf))
-        self._snapshot = Snapshot(self._views[url] for url in self._daemons)
-        self.pending.trim()  # arrays built for the new list start from the ledger's totals
+        base = None
+        if prev is not None and changed is not None:
+            # Load only: derive from prev, or, when nothing was derived from prev, from what
+            # prev would have been derived from.
+            if prev.derived:
+                base = prev
+            elif prev.base is not None and prev.changed is not None:
+                base, changed = prev.base, prev.changed | changed
+        if prev is not None:
+            prev.base = None
+        self._snapshot = Snapshot(
+            (self._views[url] for url in self._daemons), base, changed if base else None
+        )
         return self._snapshot
 
     def placeable(self, urls: Iterable[str], now: float) -> bool:
