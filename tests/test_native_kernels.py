@@ -145,7 +145,7 @@ def test_prepared_decode_serves_every_layer_of_a_step(dtype):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize(
     ("start", "chunk", "group"),
     [(0, 1, 1), (0, 37, 3), (0, 200, 2), (5, 37, 3), (16, 64, 4), (130, 100, 3), (300, 3, 1)],
@@ -153,6 +153,8 @@ def test_prepared_decode_serves_every_layer_of_a_step(dtype):
 def test_native_prefill_matches_naive(dtype, head_dim, start, chunk, group):
     # Fresh prompts and later chunks (prefixes inside a page and on its edge), query blocks of
     # 32 tokens cut mid-way, 64-key tiles cut mid-way, and a strided q (a slice of q|k|v).
+    # bfloat16 at head sizes 64 and 128 takes the dot-product path where the CPU has
+    # AVX512-BF16 (odd key counts included), 32 and float32 the float32 one.
     k_cache, v_cache, tables, _ = make_cache([start + chunk], 2, head_dim, 16, dtype)
     qkv = torch.randn(chunk, 2 * group + 4, head_dim).to(dtype)
     q = qkv[:, : 2 * group]

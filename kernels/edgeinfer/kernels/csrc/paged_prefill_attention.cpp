@@ -10,6 +10,13 @@
 // it reads. Keys go kKeys at a time through an online softmax (flash attention): one query
 // row's scores against a tile are D vector FMAs over the tile's keys, no horizontal sums, and
 // four query rows share each load of the tile.
+//
+// bfloat16 with a head size of 64 or 128, where the target has AVX512-BF16: keys and values
+// stay in bfloat16 (staged in pairs) and both products go through vdpbf16ps, which multiplies
+// a pair of bfloat16 and adds both products into a float32 lane: the scores' D FMAs become
+// D / 2, and so do the values'. The scores are exact products summed in float32 as before (the
+// scale comes after the sum, not before it); the probabilities are rounded to bfloat16 for the
+// values' products, as GPU flash attention rounds them, and summed in float32.
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +25,13 @@
 #include <omp.h>
 
 #include "cpu_dtypes.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+#endif
 
 namespace {
 
@@ -126,8 +140,95 @@ inline void tile_values(const float* __restrict__ p, const float* __restrict__ v
     for (int64_t d = 0; d < dim; ++d) o[i * dim + d] = acc[i][d];
 }
 
+#if defined(__AVX512BF16__)
+// The bfloat16 dot-product path (module comment). Staged per KV head: keys as [D / 2, ld, 2]
+// (element (p, t, e) is k[t][2p + e]: a 64-byte load holds one pair of dimensions of 16 keys)
+// and values as [ld / 2, D, 2] (element (u, d, e) is v[2u + e][d]: one load, 16 dimensions of a
+// pair of keys).
+template <typename T, int64_t D>
+constexpr bool kDot = std::is_same_v<T, uint16_t> && (D == 64 || D == 128);
+
+inline __m512bh pair_of(const uint16_t* at) {
+  int32_t pair;
+  std::memcpy(&pair, at, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+// Scores of R query rows (bfloat16, [R, D]) against the tile's kKeys keys, times `scale`.
+template <int64_t R, int64_t D>
+inline void dot_scores(const uint16_t* __restrict__ q, const uint16_t* __restrict__ kp, int64_t ld,
+                       float scale, float* __restrict__ s) {
+  constexpr int64_t C = kKeys / 16;
+  __m512 acc[R][C];
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    __m512bh kv[C];
+    for (int64_t c = 0; c < C; ++c)
+      kv[c] = (__m512bh)_mm512_loadu_si512(kp + (d2 * ld + 16 * c) * 2);
+    for (int64_t i = 0; i < R; ++i) {
+      const __m512bh qv = pair_of(q + i * D + 2 * d2);
+      for (int64_t c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], qv, kv[c]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t c = 0; c < C; ++c)
+      _mm512_storeu_ps(s + i * kKeys + 16 * c, _mm512_mul_ps(acc[i][c], sc));
+}
+
+// o[i] = o[i] * alpha[i] + sum_j p[i][j] v[j] for R rows, p in bfloat16 (row i at
+// p + 2 * kKeys * i: the front half of a float row of scores) and the
+// first `n` keys of the tile (an odd n takes the next key too: its probability is 0).
+template <int64_t R, int64_t D>
+inline void dot_values(const uint16_t* __restrict__ p, const uint16_t* __restrict__ vp,
+                       const float* __restrict__ alpha, float* __restrict__ o, int64_t n) {
+  constexpr int64_t C = D / 16;
+  __m512 acc[R][C];
+  for (int64_t i = 0; i < R; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    for (int64_t c = 0; c < C; ++c)
+      acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + 16 * c), a);
+  }
+  for (int64_t j2 = 0; j2 < (n + 1) / 2; ++j2) {
+    __m512bh vv[C];
+    for (int64_t c = 0; c < C; ++c)
+      vv[c] = (__m512bh)_mm512_loadu_si512(vp + (j2 * D + 16 * c) * 2);
+    for (int64_t i = 0; i < R; ++i) {
+      const __m512bh pv = pair_of(p + i * 2 * kKeys + 2 * j2);
+      for (int64_t c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pv, vv[c]);
+    }
+  }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + i * D + 16 * c, acc[i][c]);
+}
+
+// Keys [k0, k0 + kKeys) of KV head h into the pair layouts, zeros past `keys`.
+template <typename T, int64_t D>
+void stage_pairs(const Problem& p, int64_t h, int64_t k0, int64_t keys, uint16_t* kp,
+                 uint16_t* vp, int64_t ld) {
+  const int64_t row = p.kv_heads * D;
+  const uint16_t* k_cache = static_cast<const uint16_t*>(p.k_cache);
+  const uint16_t* v_cache = static_cast<const uint16_t*>(p.v_cache);
+  for (int64_t t = k0; t < k0 + kKeys; ++t) {
+    const bool real = t < keys;
+    const int64_t at = real ? (int64_t(p.table[t / p.page]) * p.page + t % p.page) * row + h * D
+                            : 0;
+    for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+      uint16_t* dst = kp + (d2 * ld + t) * 2;
+      dst[0] = real ? k_cache[at + 2 * d2] : 0;
+      dst[1] = real ? k_cache[at + 2 * d2 + 1] : 0;
+    }
+    for (int64_t d = 0; d < D; ++d) vp[((t / 2) * D + d) * 2 + t % 2] = real ? v_cache[at + d] : 0;
+  }
+}
+#else
+template <typename T, int64_t D>
+constexpr bool kDot = false;
+#endif
+
 // Rows r of the unit are (query token i = r / fold, head f = r % fold). kt [D, ld] and v
-// [ld, D] are this KV head's staged keys and values.
+// [ld, D] are this KV head's staged keys and values (the pair layouts above with kDot).
 template <typename T, int64_t D>
 void attend_unit(const Problem& p, int64_t h, int64_t first, int64_t count, const float* kt,
                  const float* v, int64_t ld, Scratch& w) {
@@ -138,7 +239,10 @@ void attend_unit(const Problem& p, int64_t h, int64_t first, int64_t count, cons
 
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + (first + r / fold) * p.q_stride_t + (h * fold + r % fold) * p.q_stride_h;
-    for (int64_t d = 0; d < dim; ++d) w.q[r * dim + d] = widen(src[d]) * p.scale;
+    if constexpr (kDot<T, D>)  // as they are: the scale multiplies the sums
+      std::copy(src, src + dim, reinterpret_cast<T*>(w.q) + r * dim);
+    else
+      for (int64_t d = 0; d < dim; ++d) w.q[r * dim + d] = widen(src[d]) * p.scale;
     std::fill(w.o + r * dim, w.o + (r + 1) * dim, 0.f);
     w.m[r] = kMasked;
     w.l[r] = 0.f;
@@ -148,9 +252,21 @@ void attend_unit(const Problem& p, int64_t h, int64_t first, int64_t count, cons
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0);
     int64_t r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4)
-      tile_scores<4, D>(w.q + r0 * dim, kt + k0, ld, w.s + r0 * kKeys, dim);
-    for (; r0 < rows; ++r0) tile_scores<1, D>(w.q + r0 * dim, kt + k0, ld, w.s + r0 * kKeys, dim);
+#if defined(__AVX512BF16__)
+    if constexpr (kDot<T, D>) {
+      const uint16_t* qb = reinterpret_cast<const uint16_t*>(w.q);
+      const uint16_t* kp = reinterpret_cast<const uint16_t*>(kt) + k0 * 2;
+      for (; r0 + 4 <= rows; r0 += 4)
+        dot_scores<4, D>(qb + r0 * D, kp, ld, p.scale, w.s + r0 * kKeys);
+      for (; r0 < rows; ++r0) dot_scores<1, D>(qb + r0 * D, kp, ld, p.scale, w.s + r0 * kKeys);
+    }
+#endif
+    if constexpr (!kDot<T, D>) {
+      for (; r0 + 4 <= rows; r0 += 4)
+        tile_scores<4, D>(w.q + r0 * dim, kt + k0, ld, w.s + r0 * kKeys, dim);
+      for (; r0 < rows; ++r0)
+        tile_scores<1, D>(w.q + r0 * dim, kt + k0, ld, w.s + r0 * kKeys, dim);
+    }
     // The rows' new maxima over the keys they see (causal mask, the tile's padding) and their
     // rescaling factors. exp() only ever sees arguments >= kMinExp: glibc's vector expf sends
     // lanes that underflow to a scalar slow path, which took a quarter of the kernel's time
@@ -179,12 +295,33 @@ void attend_unit(const Problem& p, int64_t h, int64_t first, int64_t count, cons
       }
       w.l[r] = w.l[r] * w.alpha[r] + total;
     }
-    const float* vt = v + k0 * dim;
     r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4)
-      tile_values<4, D>(w.s + r0 * kKeys, vt, w.alpha + r0, w.o + r0 * dim, n, dim);
-    for (; r0 < rows; ++r0)
-      tile_values<1, D>(w.s + r0 * kKeys, vt, w.alpha + r0, w.o + r0 * dim, n, dim);
+#if defined(__AVX512BF16__)
+    if constexpr (kDot<T, D>) {
+      // The probabilities in bfloat16, in place over the front half of each row of w.s.
+      uint16_t* pb = reinterpret_cast<uint16_t*>(w.s);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = w.s + r * kKeys;
+        __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
+        __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 48), _mm512_loadu_ps(s + 32));
+        _mm512_storeu_si512(pb + r * 2 * kKeys, (__m512i)lo);
+        _mm512_storeu_si512(pb + r * 2 * kKeys + 32, (__m512i)hi);
+      }
+      const uint16_t* vp = reinterpret_cast<const uint16_t*>(v) + k0 * D;
+      constexpr int64_t R = D == 64 ? 4 : 2;  // R x D / 16 accumulators: 16 registers
+      for (; r0 + R <= rows; r0 += R)
+        dot_values<R, D>(pb + r0 * 2 * kKeys, vp, w.alpha + r0, w.o + r0 * D, n);
+      for (; r0 < rows; ++r0)
+        dot_values<1, D>(pb + r0 * 2 * kKeys, vp, w.alpha + r0, w.o + r0 * D, n);
+    }
+#endif
+    if constexpr (!kDot<T, D>) {
+      const float* vt = v + k0 * dim;
+      for (; r0 + 4 <= rows; r0 += 4)
+        tile_values<4, D>(w.s + r0 * kKeys, vt, w.alpha + r0, w.o + r0 * dim, n, dim);
+      for (; r0 < rows; ++r0)
+        tile_values<1, D>(w.s + r0 * kKeys, vt, w.alpha + r0, w.o + r0 * dim, n, dim);
+    }
   }
   T* out = static_cast<T*>(p.out);
   for (int64_t r = 0; r < rows; ++r) {
@@ -236,7 +373,13 @@ int run(const Problem& p, int threads) {
     for (int64_t u = 0; u < p.kv_heads * tiles; ++u) {
       const int64_t h = u / tiles;
       float* head = staged + 2 * h * dim * ld;
-      stage_tile<T, D>(p, h, (u % tiles) * kKeys, keys, head, head + dim * ld, ld);
+#if defined(__AVX512BF16__)
+      if constexpr (kDot<T, D>)  // in the same places, half of each used
+        stage_pairs<T, D>(p, h, (u % tiles) * kKeys, keys, reinterpret_cast<uint16_t*>(head),
+                          reinterpret_cast<uint16_t*>(head + dim * ld), ld);
+#endif
+      if constexpr (!kDot<T, D>)
+        stage_tile<T, D>(p, h, (u % tiles) * kKeys, keys, head, head + dim * ld, ld);
     }
     Scratch w(kRows * fold, dim);
     if (!w.base) {
