@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from edgeinfer.router import selector
 from edgeinfer.router.inflight import RECENT_S, PlacementLedger
 from edgeinfer.router.load_arrays import PlacementConfig
 from edgeinfer.router.prefix_scoring import rank
@@ -127,6 +128,17 @@ def test_without_hits_the_prefix_blind_path_is_taken() -> None:
     w = _world()
     f = _hits(800, {})
     assert _place(w, f)[0].computed_tokens is None
+
+
+def test_holders_that_cannot_place_leave_the_request_to_the_prefix_blind_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The prefix path found holders but no pair within its load guard (queues grown since the
+    # pool was chosen, at a high decision rate): the request is placed without prefix
+    # knowledge, not refused.
+    monkeypatch.setattr(selector, "select_with_prefix", lambda *args: [])
+    placed = _place(_world(), _hits(800, {URLS[0]: 50}))
+    assert placed and placed[0].computed_tokens is None
 
 
 def test_session_affinity_keeps_a_session_on_one_daemon_within_the_bound() -> None:

@@ -28,10 +28,11 @@ keys are exact for the rows a placement touched and lower bounds elsewhere.
 
 Most snapshots differ from the one before only in the load a few daemons reported (the
 registry's ``Snapshot.base`` and ``changed``): then the arrays are carried over instead of built
-again (~3 ms at 700 daemons, ~100 times a second): the journal of placements is applied, and the
-rows of the daemons that reported are read again from their heartbeats and the ledger, as the
-build reads every row. Pool and co-located peers stay as chosen; a full build, which chooses
-them again, comes with any change of availability and at least every ``REBUILD_S`` seconds.
+again: the journal of placements is applied, the raw load of the daemons that reported is read
+again from their heartbeats and the ledger, as the build reads every daemon's, and peers, pool
+and rows are derived from the raw load as the build derives them. What is skipped is the
+build's reading of every view and of the ledger's totals. A full build comes with any change of
+availability and at least every ``REBUILD_S`` seconds (float sums drift, however little).
 """
 
 from __future__ import annotations
@@ -57,8 +58,7 @@ from edgeinfer.router.pop_registry import DaemonView, Snapshot
 from edgeinfer.router.session_affinity import AffinityRing
 
 BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
-# Carried arrays are built afresh after this long (seconds on the registry's clock), so that pool
-# and co-located peers follow the load: a small fraction of a heartbeat period.
+# Carried arrays are built afresh after this long (seconds on the registry's clock).
 REBUILD_S = 1.0
 
 
@@ -230,15 +230,21 @@ class LoadArrays:
         self.pool_end: FloatArray  # [pool] p_end of the pool, kept current with p_end
         self.d_pool_rtt: FloatArray  # [D, pool] RTT, 0 within a PoP
         self.d_pool_far: FloatArray  # [D, pool] 1.0 where the pages must travel, else 0.0
+        self._choose(t)
+
+    def _choose(self, t: float) -> None:
+        """Co-located peers and the prefill pool for the load at ``t``, then every row derived
+        from the raw load (the lists above): the build's last part, and a carry's."""
+        cfg = self.cfg
         # Per D: index into p of its PoP's best prefill daemon, judged on one chunk (queues differ
         # more than speeds), -1 if none. Chosen per snapshot, like the pool.
         chunk_cost = np.maximum(self.p_end - t, 0.0) + cfg.prefill_chunk_tokens * self.p_inv
         best: dict[int, int] = {}
         costs = chunk_cost.tolist()
-        for k, g in enumerate(self.p_pop.tolist()):
+        for k, g in enumerate(self.p_pop_list):
             if g not in best or costs[k] < costs[best[g]]:
                 best[g] = k
-        self.colo = [best.get(g, -1) for g in self.d_pop.tolist()]
+        self.colo = [best.get(g, -1) for g in self.d_pop_list]
         self.colo_arr: IntArray = np.asarray(self.colo, dtype=np.intp)
         # The other way round: per prefill daemon, the D rows it is the co-located peer of.
         self.colo_rows: dict[int, list[int]] = {}
@@ -246,16 +252,22 @@ class LoadArrays:
             if c >= 0:
                 self.colo_rows.setdefault(c, []).append(i)
         self._rank_pool(t)
-        self._derive_all(t, dm, local_inv, local_end)
+        self._derive_all(t)
 
     # ---- the vectorized build ----------------------------------------------------------
-    def _derive_all(
-        self, t: float, dm: FloatArray, local_inv: FloatArray, local_end: FloatArray
-    ) -> None:
+    def _derive_all(self, t: float) -> None:
         cfg = self.cfg
-        running, waiting, free = dm[:, DCol.RUNNING], dm[:, DCol.WAITING], dm[:, DCol.FREE_TOKENS]
-        d_rate, p50 = dm[:, DCol.DECODE_RATE], dm[:, DCol.ITL_P50_S]
-        measured, local_max = dm[:, DCol.MEASURED] > 0, dm[:, DCol.LOCAL_MAX_TOKENS]
+        running, waiting, free = (
+            np.asarray(self.running, dtype=np.float64),
+            np.asarray(self.waiting, dtype=np.float64),
+            np.asarray(self.free, dtype=np.float64),
+        )
+        d_rate = np.asarray(self.d_rate, dtype=np.float64)
+        p50 = np.asarray(self.p50, dtype=np.float64)
+        measured = np.asarray(self.measured, dtype=bool)
+        local_max = np.asarray(self.local_max, dtype=np.float64)
+        local_inv = np.asarray(self.local_inv, dtype=np.float64)
+        local_end = np.asarray(self.local_end, dtype=np.float64)
         # Aggregate rate R at batch B means a step of B/R; one more sequence makes it (B+1)/R.
         itl = np.where((running > 0) & measured, (running + 1) / d_rate, p50)
         penalty = np.where(itl <= cfg.itl_slo_s, 0.0, BIG + itl)
@@ -423,20 +435,12 @@ class LoadArrays:
             rows.append((v, i, j))
         if changes:
             self.apply(changes, pending.version if pending is not None else 0)
-        t = now if now is not None else 0.0
-        again: set[int] = set()
-        pooled = False
         for v, i, j in rows:
             if j is not None:
-                pooled |= self._reload_p(j, v, now)
-                again.update(self.colo_rows.get(j, ()))
+                self._reload_p(j, v, now)
             if i is not None:
                 self._reload_d(i, v, now)
-                again.add(i)
-        if pooled and self._pooled(t):
-            self._keys()
-        for i in again:
-            self._derive(i, t)
+        self._choose(now if now is not None else 0.0)  # peers and pool follow the load
         return True
 
     def _pending_of(self, url: str, rate: float, now: float | None) -> tuple[float, float, float]:
@@ -475,8 +479,8 @@ class LoadArrays:
             end = queued
         self.local_end[i] = end + prefill_s
 
-    def _reload_p(self, j: int, v: DaemonView, now: float | None) -> bool:
-        """Prefill daemon ``j``'s rate and queue from its view; True if it is in the pool."""
+    def _reload_p(self, j: int, v: DaemonView, now: float | None) -> None:
+        """Prefill daemon ``j``'s rate and queue from its view."""
         rate = v.prefill_tokens_per_s or self.cfg.default_prefill_tokens_per_s
         _, _, prefill_s = self._pending_of(v.url, rate, now)
         self.p[j] = v
@@ -491,11 +495,6 @@ class LoadArrays:
         self.p_inv[j] = self.p_inv_l[j] = inv
         self.p_end[j] = self.p_end_l[j] = end
         self.p_inv_mean = float(self.p_inv.mean())
-        k = self.pool_at.get(j)
-        if k is None:
-            return False
-        self.pool_inv[k], self.pool_end[k] = inv, end
-        return True
 
 
 class Prepared:

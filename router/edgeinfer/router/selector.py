@@ -88,8 +88,11 @@ def select(
     net_s = _net_to_client(prep, a, net, client, here, here_point)
     px = features.prefix
     if px is not None and (px.hits or px.lookup is not None):
+        # None: no candidate holds the prefix; []: no pair of them within the load guard can
+        # place it (their queues grew since the pool was chosen). Either way the path below
+        # decides, pricing the whole pool: a request is never refused for its cache's sake.
         placed = select_with_prefix(a, net, net_s, features, cfg, rng, limit, t)
-        if placed is not None:  # None: no candidate holds the prefix
+        if placed:
             return placed
     prompt = max(1, features.prompt_tokens)
     # Keep the D with the best network + static cost; price them exactly below.
