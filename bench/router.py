@@ -60,10 +60,10 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from edgeinfer.router.geo import GeoPoint  # noqa: E402
-from edgeinfer.router.load_arrays import Prepared, prepared  # noqa: E402
 from edgeinfer.router.network import NetworkModel, unit_vectors  # noqa: E402
 from edgeinfer.router.pop_registry import DaemonView, PopConfig, PopRegistry  # noqa: E402
 from edgeinfer.router.prefix_index import PrefixIndex, U64Array  # noqa: E402
+from edgeinfer.router.prepared import Prepared, prepared  # noqa: E402
 from edgeinfer.router.selector import (  # noqa: E402
     PlacementConfig,
     PrefixHits,

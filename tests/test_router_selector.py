@@ -18,6 +18,7 @@ from edgeinfer.router import load_arrays
 from edgeinfer.router.geo import ClientLocator, GeoPoint
 from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.pop_registry import DaemonView, PopConfig, PopRegistry
+from edgeinfer.router.prepared import prepared
 from edgeinfer.router.selector import (
     Placement,
     PlacementConfig,
@@ -289,7 +290,7 @@ def test_updates_per_placement_match_a_rebuild() -> None:
         client = GeoPoint(*COORDS[rng.choice(list(COORDS))])
         best = select(views, client, f, NET, CFG, rng, "lon", pending=w.reg.pending, now=now)[0]
         record_placement(w.reg.pending, best, f, now)
-    live = load_arrays.prepared(views, NET, CFG, w.reg.pending).arrays("m", now)
+    live = prepared(views, NET, CFG, w.reg.pending).arrays("m", now)
     fresh = load_arrays.LoadArrays(views, "m", live.geo, CFG, w.reg.pending, now)
     assert live.version == fresh.version
     np.testing.assert_allclose(live.p_end, fresh.p_end)
@@ -332,7 +333,7 @@ def test_arrays_carried_to_a_load_only_snapshot_match_a_rebuild() -> None:
             best = select(views, client, f, NET, CFG, rng, "lon", pending=w.reg.pending,
                           now=w.now)[0]  # fmt: skip
             record_placement(w.reg.pending, best, f, w.now)
-        return load_arrays.prepared(views, NET, CFG, w.reg.pending).arrays("m", w.now)
+        return prepared(views, NET, CFG, w.reg.pending).arrays("m", w.now)
 
     before = decide(30)
     chosen = (list(before.colo), before.pool_list)
@@ -345,7 +346,7 @@ def test_arrays_carried_to_a_load_only_snapshot_match_a_rebuild() -> None:
     w.beat("http://lon-p2:8000", role="prefill", queued_prefill_tokens=4000)
     views = w.reg.snapshot(w.now)
     assert views.changed == {"http://sea-b:8000", "http://lon-d:8000", "http://lon-p2:8000"}
-    live = load_arrays.prepared(views, NET, CFG, w.reg.pending).arrays("m", w.now)
+    live = prepared(views, NET, CFG, w.reg.pending).arrays("m", w.now)
     assert live is before  # carried over, not built again
     fresh = load_arrays.LoadArrays(views, "m", live.geo, CFG, w.reg.pending, w.now)
     assert live.colo == fresh.colo and live.pool_list == fresh.pool_list

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Sequence
 from enum import IntEnum
 
@@ -47,14 +46,11 @@ import numpy as np
 
 from edgeinfer.router.inflight import Change, PlacementLedger
 from edgeinfer.router.network import (
-    EARTH_RADIUS_KM,
     FloatArray,
     IntArray,
-    NetworkModel,
     PopGeometry,
-    pop_geometry,
 )
-from edgeinfer.router.pop_registry import DaemonView, Snapshot
+from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.session_affinity import AffinityRing
 
 BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
@@ -443,23 +439,25 @@ class LoadArrays:
         self._choose(now if now is not None else 0.0)  # peers and pool follow the load
         return True
 
-    def _pending_of(self, url: str, rate: float, now: float | None) -> tuple[float, float, float]:
-        """This router's pending (sequences, KV tokens, prefill seconds) on ``url``, as the
-        build reads them."""
-        pending = self.pending
-        if pending is None:
-            return 0.0, 0.0, 0.0
-        seqs, kv, tokens = pending.totals(url)
+    def _reported(self, v: DaemonView, now: float | None) -> tuple[float, float, float, float]:
+        """What the build reads of daemon ``v``: seconds per prefill token, when its prefill
+        queue ends (the reported queue drained since it was reported, then this router's
+        pending prefill), and its pending sequences and KV tokens."""
+        rate = v.prefill_tokens_per_s or self.cfg.default_prefill_tokens_per_s
+        inv = 1.0 / rate
+        queued = v.queued_prefill_tokens * inv
+        seqs, kv, tokens = self.pending.totals(v.url) if self.pending is not None else (0, 0, 0)
         if now is None:
-            return seqs, kv, tokens / rate
-        end = pending.prefill_end(url) - now
-        return seqs, kv, end if end > 0.0 else 0.0
+            return inv, queued + tokens * inv, seqs, kv
+        reported = (v.last_seen or 0.0) - self._age
+        end = reported + queued if reported + queued > now else now
+        left = self.pending.prefill_end(v.url) - now if self.pending is not None else 0.0
+        return inv, end + (left if left > 0.0 else 0.0), seqs, kv
 
     def _reload_d(self, i: int, v: DaemonView, now: float | None) -> None:
         """Row ``i``'s raw load from its view (``_derive`` turns it into the decision's row)."""
         cfg = self.cfg
-        rate = v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s
-        seqs, kv, prefill_s = self._pending_of(v.url, rate, now)
+        inv, end, seqs, kv = self._reported(v, now)
         self.d[i] = v
         self.running[i] = v.running + seqs
         self.waiting[i] = float(v.waiting)
@@ -469,114 +467,12 @@ class LoadArrays:
         self.measured[i] = v.decode_tokens_per_s > 0
         self.local_max[i] = math.inf if v.role == "both" else float(v.local_prefill_threshold)
         self.d_measured[i] = v.rtt_s or 0.0
-        inv = 1.0 / rate
-        self.local_inv[i] = inv
-        queued = v.queued_prefill_tokens * inv
-        if now is not None:
-            reported = (v.last_seen or 0.0) - self._age
-            end = reported + queued if reported + queued > now else now
-        else:
-            end = queued
-        self.local_end[i] = end + prefill_s
+        self.local_inv[i], self.local_end[i] = inv, end
 
     def _reload_p(self, j: int, v: DaemonView, now: float | None) -> None:
         """Prefill daemon ``j``'s rate and queue from its view."""
-        rate = v.prefill_tokens_per_s or self.cfg.default_prefill_tokens_per_s
-        _, _, prefill_s = self._pending_of(v.url, rate, now)
+        inv, end, _, _ = self._reported(v, now)
         self.p[j] = v
-        inv = 1.0 / rate
-        queued = v.queued_prefill_tokens * inv
-        if now is not None:
-            reported = (v.last_seen or 0.0) - self._age
-            end = reported + queued if reported + queued > now else now
-        else:
-            end = queued
-        end += prefill_s
         self.p_inv[j] = self.p_inv_l[j] = inv
         self.p_end[j] = self.p_end_l[j] = end
         self.p_inv_mean = float(self.p_inv.mean())
-
-
-class Prepared:
-    """One snapshot: its PoP geometry and, per model, its :class:`LoadArrays`."""
-
-    def __init__(
-        self, views: Sequence[DaemonView], net: NetworkModel, cfg: PlacementConfig,
-        pending: PlacementLedger | None, base: Prepared | None = None,
-        changed: frozenset[str] = frozenset(),
-    ) -> None:  # fmt: skip
-        """``base``: the previous snapshot's, which differs from ``views`` only in the load of
-        the daemons ``changed`` (their availability, roles and models are the same): its
-        geometry is kept and its arrays are carried over (:meth:`LoadArrays.carry`)."""
-        self.views, self.net, self.cfg, self.pending = list(views), net, cfg, pending
-        self.geo: PopGeometry
-        self.catchment_dot: float
-        self.default_model: str | None
-        self._by_model: dict[str, LoadArrays] = {}
-        self._carried: dict[str, LoadArrays] = {}
-        self._changed: list[DaemonView] = []
-        if base is not None:
-            self.geo, self.catchment_dot = base.geo, base.catchment_dot
-            self.default_model = base.default_model
-            self._carried = base._by_model
-            base._by_model = {}  # they move: the old snapshot builds its own if asked again
-            self._changed = [v for v in self.views if v.url in changed]
-            return
-        self.geo = pop_geometry({v.pop: (v.lat, v.lon) for v in views}, net)
-        # Clients whose dot product with the router's PoP exceeds this are in its catchment.
-        # (> 1, so nobody, when catchment_km <= 0 switches measured RTTs off.)
-        self.catchment_dot = (
-            math.cos(net.catchment_km / EARTH_RADIUS_KM) if net.catchment_km > 0 else 2.0
-        )
-        counts = Counter(v.model for v in views if v.available and v.model and v.role != "prefill")
-        # Ties broken by name so every router picks the same default.
-        self.default_model = min(counts, key=lambda m: (-counts[m], m)) if counts else None
-
-    def arrays(self, model: str, now: float | None) -> LoadArrays:
-        a = self._by_model.get(model)
-        pending = self.pending
-        c = self._carried.pop(model, None) if a is None else None
-        if c is not None and c.carry(self._changed, now):
-            a = self._by_model[model] = c
-        changes = pending.changes_since(a.version) if a is not None and pending else []
-        if a is None or changes is None:  # new, or the journal was trimmed: from the totals
-            a = LoadArrays(self.views, model, self.geo, self.cfg, pending, now)
-            self._by_model[model] = a
-        elif changes and pending is not None:
-            a.apply(changes, pending.version)
-        if pending is not None:
-            pending.trim_to(min(x.version for x in self._by_model.values()))
-        return a
-
-
-_PREPARED = "placement"  # the key of a Snapshot's derived entry
-
-
-def prepared(
-    views: Sequence[DaemonView], net: NetworkModel, cfg: PlacementConfig,
-    pending: PlacementLedger | None,
-) -> Prepared:  # fmt: skip
-    """The snapshot's :class:`Prepared`, kept in the registry's :class:`Snapshot` (a plain
-    sequence of views gets a fresh one: nothing says it will not change)."""
-    cache = views.derived if isinstance(views, Snapshot) else None
-    s = cache.get(_PREPARED) if cache is not None else None
-    if isinstance(s, Prepared) and _same(s, net, cfg, pending):
-        return s
-    base, changed = None, frozenset[str]()
-    if isinstance(views, Snapshot):
-        b = views.base.derived.get(_PREPARED) if views.base is not None else None
-        if isinstance(b, Prepared) and views.changed is not None and _same(b, net, cfg, pending):
-            base, changed = b, views.changed
-        views.base = None  # carried or not, the chain of snapshots ends here
-    prep = Prepared(views, net, cfg, pending, base, changed)
-    if cache is not None:
-        cache[_PREPARED] = prep
-    return prep
-
-
-def _same(
-    p: Prepared, net: NetworkModel, cfg: PlacementConfig, pending: PlacementLedger | None
-) -> bool:
-    # `in` tests identity before equality, which for a dataclass builds tuples: the proxy
-    # passes the same objects every time.
-    return p.net in (net,) and p.cfg in (cfg,) and p.pending is pending

@@ -114,7 +114,7 @@ class DaemonView:
 
 class Snapshot(list[DaemonView]):
     """Every daemon's view at one instant, and what placement derived from it (``derived``:
-    its load arrays, :func:`edgeinfer.router.load_arrays.prepared`), which lives and dies
+    its load arrays, :func:`edgeinfer.router.prepared.prepared`), which lives and dies
     with the snapshot instead of in a module global.
 
     ``base`` is the snapshot this one differs from only in the load of the daemons ``changed``

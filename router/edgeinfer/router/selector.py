@@ -51,11 +51,12 @@ import numpy as np
 
 from edgeinfer.router.geo import GeoPoint
 from edgeinfer.router.inflight import PlacementLedger, Ticket
-from edgeinfer.router.load_arrays import LoadArrays, PlacementConfig, Prepared, prepared
+from edgeinfer.router.load_arrays import LoadArrays, PlacementConfig
 from edgeinfer.router.network import FloatArray, NetworkModel
 from edgeinfer.router.placement import Placement, PrefixHits, RequestFeatures
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.prefix_select import select_with_prefix
+from edgeinfer.router.prepared import Prepared, prepared
 
 __all__ = [
     "Placement", "PlacementConfig", "PrefixHits", "RequestFeatures", "record_placement", "select",

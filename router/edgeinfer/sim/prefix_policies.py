@@ -32,7 +32,7 @@ import numpy as np
 
 from edgeinfer.router.inflight import PlacementLedger
 from edgeinfer.router.kv_pull import price_pull
-from edgeinfer.router.load_arrays import PlacementConfig, Row, prepared
+from edgeinfer.router.load_arrays import PlacementConfig, Row
 from edgeinfer.router.network import IntArray, NetworkModel
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.prefix_scoring import (
@@ -42,6 +42,7 @@ from edgeinfer.router.prefix_scoring import (
     rank,
     under_bound,
 )
+from edgeinfer.router.prepared import prepared
 from edgeinfer.router.selector import RequestFeatures
 from edgeinfer.sim.policies import Choice, HitsFn, _Baseline
 from edgeinfer.sim.prefix_cache import BLOCK_TOKENS
