@@ -11,7 +11,7 @@ import pytest
 
 from edgeinfer.router import selector
 from edgeinfer.router.inflight import RECENT_S, PlacementLedger
-from edgeinfer.router.load_arrays import PlacementConfig
+from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.prefix_scoring import rank
 from edgeinfer.router.selector import PrefixHits, RequestFeatures, record_placement, select
 from edgeinfer.router.session_affinity import AffinityRing, affinity_key

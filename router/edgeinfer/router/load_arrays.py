@@ -37,7 +37,6 @@ availability and at least every ``REBUILD_S`` seconds (float sums drift, however
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from enum import IntEnum
@@ -50,38 +49,13 @@ from edgeinfer.router.network import (
     IntArray,
     PopGeometry,
 )
+from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.session_affinity import AffinityRing
 
 BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
 # Carried arrays are built afresh after this long (seconds on the registry's clock).
 REBUILD_S = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class PlacementConfig:
-    itl_slo_s: float = 0.1
-    near_tie_s: float = 0.02
-    # The prompt size a "short" pruning key and the prefill pool are judged on (which daemons
-    # may prefill locally is their own local_prefill_threshold, from their heartbeats).
-    short_prompt_tokens: int = 512
-    prefill_chunk_tokens: int = 2048  # the last chunk's pages cannot hide behind compute
-    # Used until a daemon has measured itself (rates are 0 in its first heartbeats).
-    default_prefill_tokens_per_s: float = 5000.0
-    default_decode_tokens_per_s: float = 1000.0
-    default_itl_s: float = 0.03
-    mean_output_tokens: int = 256  # how long a running request holds its slot, on average
-    decode_candidates: int = 8  # D kept after the lower-bound pass
-    prefill_pool: int = 8  # cheapest prefill daemons priced for every kept D (per prompt size)
-    # Bounded load: no daemon above 1 + eps times the mean takes a request for its cache (or a
-    # session's affinity): a hot prefix spills over (prefix_scoring.under_bound).
-    load_eps: float = 0.25
-    affinity_slack_s: float = 0.05  # a session's daemon is kept while within this of the best
-    prefix_candidates: int = 4  # holders of a prompt's prefix priced beside the pruned ones
-    # Decode daemons (the best by network and static cost) whose caches the index is asked
-    # about per request, with the prefill daemons that may serve them: not the whole fleet.
-    prefix_lookup_candidates: int = 16
-    work_weight: float = 1.0  # prefix placements: the compute a choice adds (price_pairs)
 
 
 class DCol(IntEnum):
@@ -312,7 +286,7 @@ class LoadArrays:
         local_max = self.local_max[i]
         c = self.colo[i]
         if c >= 0:
-            colo_end, colo_inv = self.p_end.item(c), self.p_inv.item(c)
+            colo_end, colo_inv = self.p_end_l[c], self.p_inv_l[c]
             colo_q = colo_end - t if colo_end > t else 0.0
         else:
             colo_end, colo_inv, colo_q = math.inf, 0.0, math.inf
@@ -389,8 +363,8 @@ class LoadArrays:
                 rows[i] = t
             if prefill and (j := self.p_of.get(url)) is not None:
                 # An idle daemon starts on new work now; work taken back leaves the rest.
-                end = self.p_end.item(j)
-                end = (max(end, t) if prefill > 0 else end) + prefill * self.p_inv.item(j)
+                end = self.p_end_l[j]
+                end = (max(end, t) if prefill > 0 else end) + prefill * self.p_inv_l[j]
                 self.p_end[j] = self.p_end_l[j] = end
                 if (k := self.pool_at.get(j)) is not None:
                     self.pool_end[k] = end

@@ -1,4 +1,5 @@
-"""What the selector takes (a request's features) and gives (placements), shared by its paths."""
+"""What the selector takes (a request's features, its settings) and gives (placements), shared by
+its paths."""
 
 from __future__ import annotations
 
@@ -62,3 +63,29 @@ class Placement(NamedTuple):
             f"itl {b['itl_s']}ms; cached tokens prefill {self.prefill_cached} decode "
             f"{self.decode_cached}{slo}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    itl_slo_s: float = 0.1
+    near_tie_s: float = 0.02
+    # The prompt size a "short" pruning key and the prefill pool are judged on (which daemons
+    # may prefill locally is their own local_prefill_threshold, from their heartbeats).
+    short_prompt_tokens: int = 512
+    prefill_chunk_tokens: int = 2048  # the last chunk's pages cannot hide behind compute
+    # Used until a daemon has measured itself (rates are 0 in its first heartbeats).
+    default_prefill_tokens_per_s: float = 5000.0
+    default_decode_tokens_per_s: float = 1000.0
+    default_itl_s: float = 0.03
+    mean_output_tokens: int = 256  # how long a running request holds its slot, on average
+    decode_candidates: int = 8  # D kept after the lower-bound pass
+    prefill_pool: int = 8  # cheapest prefill daemons priced for every kept D (per prompt size)
+    # Bounded load: no daemon above 1 + eps times the mean takes a request for its cache (or a
+    # session's affinity): a hot prefix spills over (prefix_scoring.under_bound).
+    load_eps: float = 0.25
+    affinity_slack_s: float = 0.05  # a session's daemon is kept while within this of the best
+    prefix_candidates: int = 4  # holders of a prompt's prefix priced beside the pruned ones
+    # Decode daemons (the best by network and static cost) whose caches the index is asked
+    # about per request, with the prefill daemons that may serve them: not the whole fleet.
+    prefix_lookup_candidates: int = 16
+    work_weight: float = 1.0  # prefix placements: the compute a choice adds (price_pairs)

@@ -28,9 +28,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgeinfer.router.load_arrays import LoadArrays, PlacementConfig, Row
+from edgeinfer.router.load_arrays import LoadArrays, Row
 from edgeinfer.router.network import FloatArray, NetworkModel
-from edgeinfer.router.placement import Placement, RequestFeatures
+from edgeinfer.router.placement import Placement, PlacementConfig, RequestFeatures
 from edgeinfer.router.prefix_pairs import Candidates, choose
 from edgeinfer.router.prefix_scoring import cached_tokens
 

@@ -9,8 +9,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 from edgeinfer.router.inflight import PlacementLedger
-from edgeinfer.router.load_arrays import LoadArrays, PlacementConfig
+from edgeinfer.router.load_arrays import LoadArrays
 from edgeinfer.router.network import EARTH_RADIUS_KM, NetworkModel, PopGeometry, pop_geometry
+from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.pop_registry import DaemonView, Snapshot
 
 

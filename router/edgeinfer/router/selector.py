@@ -51,9 +51,9 @@ import numpy as np
 
 from edgeinfer.router.geo import GeoPoint
 from edgeinfer.router.inflight import PlacementLedger, Ticket
-from edgeinfer.router.load_arrays import LoadArrays, PlacementConfig
+from edgeinfer.router.load_arrays import LoadArrays
 from edgeinfer.router.network import FloatArray, NetworkModel
-from edgeinfer.router.placement import Placement, PrefixHits, RequestFeatures
+from edgeinfer.router.placement import Placement, PlacementConfig, PrefixHits, RequestFeatures
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.prefix_select import select_with_prefix
 from edgeinfer.router.prepared import Prepared, prepared
