@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from edgeinfer.router.access_log import AccessLog
 from edgeinfer.router.app import RouterSetup, create_app
 from edgeinfer.router.config import load_pops, load_router_config
 from edgeinfer.shared.heartbeat import Heartbeat
@@ -232,7 +233,8 @@ async def running_router(setup: RouterSetup) -> AsyncIterator[tuple[web.Applicat
     """The router app on a free port, once every configured daemon is placeable."""
     app = create_app(setup)
     server = TestServer(app, host="127.0.0.1")
-    await server.start_server(shutdown_timeout=5.0)  # handler_cancellation, like make_runner
+    # handler_cancellation and the access line, like make_runner
+    await server.start_server(shutdown_timeout=5.0, access_log_class=AccessLog)
     url = f"http://127.0.0.1:{server.port}"
     try:
         await wait_placeable(app, sum(len(p.daemons) for p in setup.pops))

@@ -6,6 +6,7 @@ points that matter with real processes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -199,6 +200,31 @@ async def test_every_v1_route_needs_a_key_and_the_tenant_reaches_the_daemon(
         assert values[("edgeinfer_router_unauthorized_total", ())] == 2
         labels = (("pop", "fra"), ("route", "/v1/completions"), ("status", "200"))
         assert values[("edgeinfer_router_requests_total", (*labels, ("tenant", "acme")))] == 1
+
+
+@pytest.mark.asyncio
+async def test_the_access_line_names_the_tenant_and_the_pop_that_answered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    extra = {"api_keys_file": f'"{keys_file(tmp_path)}"'}
+    async with start_cluster(tmp_path, extra=extra) as cluster:
+        with caplog.at_level(logging.INFO, logger="aiohttp.access"):
+            async with await cluster.post(headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                assert resp.status == 200
+                pop = resp.headers["x-edge-decode-pop"]
+                await resp.read()
+            async with cluster.http.post(cluster.url + "/v1/completions", json=COMPLETION) as resp:
+                assert resp.status == 401
+            await asyncio.sleep(0.1)  # the line is written after the response
+    # The router's lines (the fake daemons write aiohttp's own, without these fields).
+    lines = [r for r in caplog.records if r.name == "aiohttp.access" and hasattr(r, "decode_pop")]
+    assert [r.getMessage().split('"')[1] for r in lines] == ["POST /v1/completions HTTP/1.1"] * 2
+    served, refused = lines
+    assert served.getMessage().endswith(f" tenant=acme decode_pop={pop}")
+    assert (served.response_status, served.tenant, served.decode_pop) == (200, "acme", pop)  # type: ignore[attr-defined]
+    assert " 401 " in refused.getMessage() and refused.getMessage().endswith(
+        " tenant=- decode_pop=-"
+    )
 
 
 # ---- CORS ----

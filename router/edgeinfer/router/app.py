@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from edgeinfer.router.access_log import AccessLog
 from edgeinfer.router.admin import create_admin_app
 from edgeinfer.router.config import RouterConfig, load_pops
 from edgeinfer.router.cors import enable_cors
@@ -54,7 +55,6 @@ from edgeinfer.router.request_context import (
     request_context_middleware,
     stamp_response,
 )
-from edgeinfer.shared.logs import ACCESS_LOG_FORMAT
 from edgeinfer.shared.openapi import add_openapi_route
 from edgeinfer.shared.tasks import cancel_and_wait
 
@@ -120,7 +120,7 @@ def make_runner(app: web.Application, config: RouterConfig) -> web.AppRunner:
         app,
         handler_cancellation=True,
         shutdown_timeout=config.shutdown_timeout_s,
-        access_log_format=ACCESS_LOG_FORMAT,
+        access_log_class=AccessLog,
     )
 
 

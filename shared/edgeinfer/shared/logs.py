@@ -20,10 +20,6 @@ from edgeinfer.shared.request_ids import add_request_id_filter
 
 LogFormat = Literal["text", "json", "kv"]
 
-# aiohttp's access log line, for both servers: client, request line, status, bytes, seconds
-# taken, user agent. No ``%t``: every log format already stamps the time, and formatting it a
-# second time costs a strftime per request.
-ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs "%{User-Agent}i"'
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
