@@ -215,11 +215,18 @@ async def test_the_access_line_names_the_tenant_and_the_pop_that_answered(
                 await resp.read()
             async with cluster.http.post(cluster.url + "/v1/completions", json=COMPLETION) as resp:
                 assert resp.status == 401
-            await asyncio.sleep(0.1)  # the line is written after the response
-    # The router's lines (the fake daemons write aiohttp's own, without these fields).
-    lines = [r for r in caplog.records if r.name == "aiohttp.access" and hasattr(r, "decode_pop")]
-    assert [r.getMessage().split('"')[1] for r in lines] == ["POST /v1/completions HTTP/1.1"] * 2
-    served, refused = lines
+
+            def lines() -> list[logging.LogRecord]:
+                # The router's (the fake daemons write aiohttp's own, without these fields).
+                return [r for r in caplog.records if hasattr(r, "decode_pop")]
+
+            # Each line is written once its response has gone out: wait for the second.
+            for _ in range(500):
+                if len(lines()) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+    assert [r.getMessage().split('"')[1] for r in lines()] == ["POST /v1/completions HTTP/1.1"] * 2
+    served, refused = lines()
     assert served.getMessage().endswith(f" tenant=acme decode_pop={pop}")
     assert (served.response_status, served.tenant, served.decode_pop) == (200, "acme", pop)  # type: ignore[attr-defined]
     assert " 401 " in refused.getMessage() and refused.getMessage().endswith(

@@ -12,7 +12,6 @@ from edgeinfer.shared.access_log import RequestAccessLog
 
 class AccessLog(RequestAccessLog):
     def fields(self, request: BaseRequest) -> dict[str, str]:
-        ctx = request.get(CONTEXT_KEY)
-        if ctx is None:  # refused before the middlewares ran
-            return {"tenant": "-", "decode_pop": "-"}
-        return {"tenant": ctx.tenant or "-", "decode_pop": ctx.pop or "-"}
+        ctx = request.get(CONTEXT_KEY)  # None: refused before the middlewares ran
+        tenant, pop = (ctx.tenant, ctx.pop) if ctx is not None else ("", "")
+        return {"tenant": tenant or "-", "decode_pop": pop or "-"}
