@@ -235,6 +235,36 @@ def test_a_burst_between_heartbeats_spreads_over_daemons() -> None:
     assert queued[0].breakdown["prefill_queue_s"] > 10 * 800 / 10_000.0
 
 
+def test_a_fresh_daemon_is_assumed_as_fast_as_its_measured_peers() -> None:
+    """A daemon that has not served yet reports no rates; priced at the config's defaults
+    (5,000 prefill tokens/s) beside peers measuring 700 it prefilled every long prompt of a
+    burst. It is priced as the median of its model's measured daemons instead."""
+    urls = ("http://lon-a:8000", "http://lon-b:8000", "http://lon-c:8000")
+    w = World({"lon": urls})
+    for url, rate in zip(urls, (700.0, 750.0, 0.0), strict=True):
+        w.beat(url, running=0, in_flight=0, prefill_tokens_per_s=rate,
+               decode_tokens_per_s=30.0 if rate else 0.0, itl_p50_s=0.02 if rate else None)  # fmt: skip
+    prefilled, rng = Counter[str](), random.Random(0)
+    for _ in range(3):
+        f = RequestFeatures(1100, 128, "m")
+        placed = select(w.reg.snapshot(w.now), LONDON, f, NET, CFG, rng, "lon",
+                        pending=w.reg.pending, now=w.now)  # fmt: skip
+        fresh = [p for p in placed if p.prefill is None and p.decode.url == urls[2]]
+        if fresh:  # priced at the peers' median rate and ITL
+            assert fresh[0].breakdown["prefill_compute_s"] == pytest.approx(1100 / 725.0)
+            assert fresh[0].itl_s == pytest.approx(0.02)
+        record_placement(w.reg.pending, placed[0], f, w.now)
+        prefilled[(placed[0].prefill or placed[0].decode).url] += 1
+    assert sorted(prefilled.values()) == [1, 1, 1]
+    # With no daemon measured yet, the config's defaults stand in.
+    w2 = World({"lon": urls[:1]})
+    w2.beat(urls[0], running=0, prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0)
+    only = w2.place(prompt=1100, now=w2.now)[0]
+    assert only.breakdown["prefill_compute_s"] == pytest.approx(
+        1100 / CFG.default_prefill_tokens_per_s
+    )
+
+
 def test_a_heartbeat_that_includes_the_burst_replaces_it() -> None:
     w = World({"lon": ("http://lon-a:8000",)})
     w.beat("http://lon-a:8000", running=2)

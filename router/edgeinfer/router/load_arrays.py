@@ -49,7 +49,7 @@ from edgeinfer.router.network import (
     IntArray,
     PopGeometry,
 )
-from edgeinfer.router.placement import PlacementConfig
+from edgeinfer.router.placement import Assumed, PlacementConfig
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.session_affinity import AffinityRing
 
@@ -101,6 +101,7 @@ class LoadArrays:
         age = pending.report_lag_s / 2 if pending is not None else 0.0
         self._age = age
         mine = [v for v in views if v.available and v.model == model]
+        self.assumed = assumed = Assumed.of(mine, cfg)  # for those not measured yet
         self.d = d = [v for v in mine if v.role in ("decode", "both")]
         self.p = p = [v for v in mine if v.role in ("prefill", "both") and v.kv_endpoint]
         self.d_of = {v.url: i for i, v in enumerate(d)}
@@ -114,16 +115,16 @@ class LoadArrays:
         # One pass per side into a 2-D array: this runs per heartbeat (~100/s at 600 daemons).
         dm = np.asarray([
             (v.running, v.waiting, v.kv_blocks_free * v.block_size,
-             v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s,
-             v.decode_tokens_per_s or cfg.default_decode_tokens_per_s,
+             v.prefill_tokens_per_s or assumed.prefill_tokens_per_s,
+             v.decode_tokens_per_s or assumed.decode_tokens_per_s,
              v.queued_prefill_tokens, 0.0, v.last_seen or 0.0, v.rtt_s or 0.0,
-             v.itl_p50_s if v.itl_p50_s is not None else cfg.default_itl_s,
+             v.itl_p50_s or assumed.itl_s,
              math.inf if v.role == "both" else v.local_prefill_threshold, geo.index[v.pop],
              v.decode_tokens_per_s > 0)
             for v in d
         ], dtype=np.float64).reshape(len(d), len(DCol))  # fmt: skip
         pm = np.asarray([
-            (v.prefill_tokens_per_s or cfg.default_prefill_tokens_per_s, v.queued_prefill_tokens,
+            (v.prefill_tokens_per_s or assumed.prefill_tokens_per_s, v.queued_prefill_tokens,
              0.0, v.last_seen or 0.0, geo.index[v.pop])
             for v in p
         ], dtype=np.float64).reshape(len(p), len(PCol))  # fmt: skip
@@ -417,7 +418,7 @@ class LoadArrays:
         """What the build reads of daemon ``v``: seconds per prefill token, when its prefill
         queue ends (the reported queue drained since it was reported, then this router's
         pending prefill), and its pending sequences and KV tokens."""
-        rate = v.prefill_tokens_per_s or self.cfg.default_prefill_tokens_per_s
+        rate = v.prefill_tokens_per_s or self.assumed.prefill_tokens_per_s
         inv = 1.0 / rate
         queued = v.queued_prefill_tokens * inv
         seqs, kv, tokens = self.pending.totals(v.url) if self.pending is not None else (0, 0, 0)
@@ -430,14 +431,13 @@ class LoadArrays:
 
     def _reload_d(self, i: int, v: DaemonView, now: float | None) -> None:
         """Row ``i``'s raw load from its view (``_derive`` turns it into the decision's row)."""
-        cfg = self.cfg
         inv, end, seqs, kv = self._reported(v, now)
         self.d[i] = v
         self.running[i] = v.running + seqs
         self.waiting[i] = float(v.waiting)
         self.free[i] = v.kv_blocks_free * v.block_size - kv
-        self.d_rate[i] = v.decode_tokens_per_s or cfg.default_decode_tokens_per_s
-        self.p50[i] = v.itl_p50_s if v.itl_p50_s is not None else cfg.default_itl_s
+        self.d_rate[i] = v.decode_tokens_per_s or self.assumed.decode_tokens_per_s
+        self.p50[i] = v.itl_p50_s or self.assumed.itl_s
         self.measured[i] = v.decode_tokens_per_s > 0
         self.local_max[i] = math.inf if v.role == "both" else float(v.local_prefill_threshold)
         self.d_measured[i] = v.rtt_s or 0.0

@@ -4,7 +4,8 @@ its paths."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+import statistics
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import NamedTuple
 
 from edgeinfer.router.pop_registry import DaemonView
@@ -73,7 +74,8 @@ class PlacementConfig:
     # may prefill locally is their own local_prefill_threshold, from their heartbeats).
     short_prompt_tokens: int = 512
     prefill_chunk_tokens: int = 2048  # the last chunk's pages cannot hide behind compute
-    # Used until a daemon has measured itself (rates are 0 in its first heartbeats).
+    # Assumed of a daemon that has not measured itself (rates are 0 in its first heartbeats)
+    # while no daemon of its model has either (see Assumed).
     default_prefill_tokens_per_s: float = 5000.0
     default_decode_tokens_per_s: float = 1000.0
     default_itl_s: float = 0.03
@@ -89,3 +91,33 @@ class PlacementConfig:
     # about per request, with the prefill daemons that may serve them: not the whole fleet.
     prefix_lookup_candidates: int = 16
     work_weight: float = 1.0  # prefix placements: the compute a choice adds (price_pairs)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assumed:
+    """What the selector assumes of a daemon that has not measured itself yet (a fresh start:
+    its rates are 0 and its ITL unknown until it has served): the median of the daemons of its
+    model that have, and ``PlacementConfig``'s defaults only while none has.
+
+    A default above what the fleet measures would make every fresh daemon look the fastest:
+    three daemons measuring ~700 prefill tokens/s and one just restarted, priced at the default
+    5,000, sent that one every long prompt until its first measurement (a cold daemon flooded
+    after a restart or a scale-out)."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    itl_s: float
+
+    @classmethod
+    def of(cls, views: Sequence[DaemonView], cfg: PlacementConfig) -> Assumed:
+        """From ``views``: one model's daemons (those that have measured themselves count)."""
+        return cls(
+            _median((v.prefill_tokens_per_s for v in views), cfg.default_prefill_tokens_per_s),
+            _median((v.decode_tokens_per_s for v in views), cfg.default_decode_tokens_per_s),
+            _median((v.itl_p50_s or 0.0 for v in views), cfg.default_itl_s),
+        )
+
+
+def _median(values: Iterable[float], default: float) -> float:
+    measured = [x for x in values if x > 0]
+    return statistics.median(measured) if measured else default
