@@ -16,7 +16,7 @@ import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.daemon.heartbeat import HeartbeatPublisher, RateMeter
+from edgeinfer.daemon.heartbeat import HeartbeatPublisher, RateMeter, RecentMedian
 from edgeinfer.daemon.kv_events import KvEventLog
 from edgeinfer.router.heartbeat_listener import HeartbeatListener
 from edgeinfer.router.pop_registry import PopConfig, PopRegistry
@@ -157,6 +157,23 @@ def test_rate_meter_measures_busy_time_and_keeps_the_last_rate_when_idle() -> No
     assert meter.rate(now=101.0) == pytest.approx(100.0)
     with pytest.raises(ValueError):
         meter.add(-1, busy_s=1.0)
+
+
+def test_latency_medians_forget_an_idle_daemons_last_busy_spell() -> None:
+    # Latency depends on load: a daemon over the ITL SLO under a burst and idle since must
+    # not report that ITL for ever (the router would never send it a request to measure again).
+    recent = RecentMedian(window_s=30.0, maxlen=4, clock=lambda: 0.0)
+    assert recent.median(now=0.0) is None
+    for t, itl in ((1.0, 0.5), (2.0, 0.7), (3.0, 0.6)):
+        recent.add(itl, now=t)
+    assert recent.median(now=10.0) == pytest.approx(0.6)
+    assert recent.median(now=31.5) == pytest.approx(0.65)  # the first aged out
+    assert recent.median(now=100.0) is None  # idle: nothing recent, nothing reported
+    for t in range(6):  # and at most maxlen samples are kept
+        recent.add(float(t), now=200.0 + t)
+    assert recent.median(now=206.0) == pytest.approx(3.5)
+    with pytest.raises(ValueError):
+        RecentMedian(window_s=0.0)
 
 
 def test_listener_counts_malformed_and_verdicts() -> None:

@@ -1,4 +1,4 @@
-"""The daemon's side of heartbeats: a ZeroMQ PUB socket and the rate meters that feed it.
+"""The daemon's side of heartbeats: a ZeroMQ PUB socket and the meters that feed it.
 
 The daemon binds; every router connects a SUB socket to it (the routers know the daemons from
 their PoP table, a daemon does not know the routers). PUB never blocks: a router that is slow or
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -85,6 +86,37 @@ class RateMeter:
             self._busy -= busy
         if not self._samples:  # reset exactly so float drift cannot accumulate
             self._tokens = self._busy = 0.0
+
+
+class RecentMedian:
+    """The median of the values seen in the last ``window_s`` seconds (the latest ``maxlen`` of
+    them): a heartbeat's TTFT or ITL p50, None when none is that recent.
+
+    Latency, unlike speed, depends on load, so an idle daemon must not keep reporting its last
+    busy spell's: a daemon whose ITL went over the SLO under a burst was priced over it from
+    then on, got no new request while any daemon was within it, and so never measured again.
+    Reporting nothing once the samples age out makes the router price it as a daemon that has
+    not measured itself (its model's median, ``placement.Assumed``).
+    """
+
+    def __init__(
+        self, window_s: float = 30.0, maxlen: int = 512, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if window_s <= 0 or maxlen < 1:
+            raise ValueError(f"window_s must be > 0 and maxlen >= 1, got {window_s}, {maxlen}")
+        self.window_s = window_s
+        self._clock = clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=maxlen)  # (time, value)
+
+    def add(self, value: float, now: float | None = None) -> None:
+        self._samples.append((self._clock() if now is None else now, value))
+
+    def median(self, now: float | None = None) -> float | None:
+        since = (self._clock() if now is None else now) - self.window_s
+        samples = self._samples
+        while samples and samples[0][0] <= since:
+            samples.popleft()
+        return statistics.median(v for _, v in samples) if samples else None
 
 
 class HeartbeatPublisher:

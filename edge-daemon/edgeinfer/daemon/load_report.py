@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import statistics
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -98,8 +97,6 @@ class LoadTracker:
         cfg, s = self.config, self.stats
         draining, drained, in_flight = self.status()
         prefill_rate, decode_rate = self.rates()
-        ttft = list(self.metrics.recent_ttft)
-        itl = list(self.metrics.recent_itl)
         return {
             "daemon_id": self.daemon_id,
             "pop": cfg.pop,
@@ -113,8 +110,8 @@ class LoadTracker:
             "block_size": cfg.block_size,
             "prefill_tokens_per_s": prefill_rate,
             "decode_tokens_per_s": decode_rate,
-            "ttft_p50_s": statistics.median(ttft) if ttft else None,
-            "itl_p50_s": statistics.median(itl) if itl else None,
+            "ttft_p50_s": self.metrics.recent_ttft.median(),
+            "itl_p50_s": self.metrics.recent_itl.median(),
             "queued_prefill_tokens": s.queued_prompt_tokens if s else 0,
             "draining": draining,
             "drained": drained,

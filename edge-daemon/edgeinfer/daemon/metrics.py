@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter as CounterDict
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from edgeinfer.daemon.engine.outputs import EngineStats, RequestOutput
+from edgeinfer.daemon.heartbeat import RecentMedian
 from edgeinfer.daemon.kv_transfer.stats import TransferStats
 
 PREFIX = "edgeinfer_"
@@ -48,7 +48,8 @@ _E2E_BUCKETS = (
     *(60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
 _LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
-RECENT_WINDOW = 512
+RECENT_WINDOW = 512  # latencies kept for the heartbeat's p50s, at most...
+RECENT_S = 30.0  # ...and only this recent (an idle daemon reports none: RecentMedian)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -103,8 +104,8 @@ class DaemonMetrics:
     def __init__(self) -> None:
         self._synced: dict[int, _Seen] = {}
         # Recent TTFT and inter-token latencies (seconds) for the heartbeat's p50 fields.
-        self.recent_ttft: deque[float] = deque(maxlen=RECENT_WINDOW)
-        self.recent_itl: deque[float] = deque(maxlen=RECENT_WINDOW)
+        self.recent_ttft = RecentMedian(RECENT_S, RECENT_WINDOW)
+        self.recent_itl = RecentMedian(RECENT_S, RECENT_WINDOW)
         self.registry = CollectorRegistry()
         reg = self.registry
         self._engine = _EngineCollector()
@@ -267,10 +268,10 @@ class RequestTimer:
             if self._first is None:
                 self._first = now
                 self._m.ttft.observe(now - self._arrival)
-                self._m.recent_ttft.append(now - self._arrival)
+                self._m.recent_ttft.add(now - self._arrival, now)
             else:
                 self._m.itl.observe(now - self._last)
-                self._m.recent_itl.append(now - self._last)
+                self._m.recent_itl.add(now - self._last, now)
             self._last = now
         if out.finished and out.finish_reason in ("stop", "length"):
             self._finished(out, now)
