@@ -206,3 +206,13 @@ def test_steps_that_decode_cap_their_prefill_tokens(ckpt):
     assert largest[0] == 128  # capped beside decodes
     assert largest[1] > 128  # without the cap, the waiting prompts share one step
     assert outputs[0] == outputs[1]
+
+
+def test_decode_tokens_leave_out_each_requests_first(engine):
+    # The daemon's decode rate (heartbeat decode_tokens_per_s) is decode tokens over the steps
+    # that made them: a request's first token ends its prefill, it is no inter-token gap.
+    before = engine.generation_tokens, engine.decode_tokens
+    done = engine.generate(random_prompts(3, 512, 20, 40, seed=5), GREEDY)
+    assert sum(len(c.token_ids) for c in done) == 3 * 12
+    assert engine.generation_tokens - before[0] == 3 * 12
+    assert engine.decode_tokens - before[1] == 3 * 11

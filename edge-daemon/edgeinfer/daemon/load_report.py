@@ -46,13 +46,16 @@ class LoadTracker:
         self.invariants: dict[str, Any] = {}
         engine.on_step = self._on_step
 
-    def _on_step(self, seconds: float, prompt_tokens: int, generated: int) -> None:
-        # A mixed step's time counts against both stages: a conservative rate for each.
+    def _on_step(self, seconds: float, prompt_tokens: int, decoded: int) -> None:
+        # A mixed step's time counts against both stages: a conservative rate for each (the
+        # running streams did wait that long). A step whose only token is a new request's first
+        # is prefill alone: counted as decode it priced a daemon that had served one 1k-token
+        # prompt at 3 tokens/s, an ITL of a second.
         with self._lock:
             if prompt_tokens:
                 self._prefill.add(prompt_tokens, seconds)
-            if generated:
-                self._decode.add(generated, seconds)
+            if decoded:
+                self._decode.add(decoded, seconds)
 
     def rates(self) -> tuple[float, float]:
         with self._lock:

@@ -56,7 +56,8 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.fatal_error: BaseException | None = None
         # Called in the engine thread after every step with (seconds, prompt tokens computed,
-        # tokens generated): how the daemon measures its prefill and decode rates.
+        # tokens decoded: generated past each request's first): how the daemon measures its
+        # prefill and decode rates.
         self.on_step: Callable[[float, int, int], None] | None = None
         # Called in the engine thread after a step that changed the prefix cache, with the
         # block manager's changes (see BlockManager.take_changes): the daemon's kv_events.
@@ -268,17 +269,13 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_resolve, waiter)
 
     def _timed_step(self, e: LLMEngine) -> None:
-        prompt, generated, start = (
-            e.prompt_tokens_computed,
-            e.generation_tokens,
-            time.perf_counter(),
-        )
+        prompt, decoded, start = e.prompt_tokens_computed, e.decode_tokens, time.perf_counter()
         outputs = e.step()
         if self.on_step is not None:
             self.on_step(
                 time.perf_counter() - start,
                 e.prompt_tokens_computed - prompt,
-                e.generation_tokens - generated,
+                e.decode_tokens - decoded,
             )
         if self.on_kv_events is not None:
             changes = e.block_manager.take_changes()

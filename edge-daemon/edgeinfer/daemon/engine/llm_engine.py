@@ -95,6 +95,7 @@ class LLMEngine(StageSplit):
         self._num_preemptions = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._decode_tokens = 0  # generated tokens that are not a request's first
 
     @property
     def kv_layout(self):
@@ -244,6 +245,8 @@ class LLMEngine(StageSplit):
     ) -> RequestOutput:
         seq = req.seq
         self._generation_tokens += 1
+        if seq.num_output_tokens:  # a first token ends the prefill; the rest are decode's
+            self._decode_tokens += 1
         out = self._progress(seq)
         out.new_token_ids.append(token)
         if logprob is not None:
@@ -310,6 +313,11 @@ class LLMEngine(StageSplit):
     @property
     def generation_tokens(self) -> int:
         return self._generation_tokens
+
+    @property
+    def decode_tokens(self) -> int:
+        """Generated tokens past each request's first: the inter-token gaps' tokens."""
+        return self._decode_tokens
 
     def stats(self) -> EngineStats:
         held = [r for r in self._requests.values() if r.seq.status is SequenceStatus.PREFILLED]
