@@ -101,7 +101,7 @@ class LoadArrays:
         age = pending.report_lag_s / 2 if pending is not None else 0.0
         self._age = age
         mine = [v for v in views if v.available and v.model == model]
-        self.assumed = assumed = Assumed.of(mine, cfg)  # for those not measured yet
+        self.assumed = assumed = Assumed(mine, cfg)  # for those not measured yet
         self.d = d = [v for v in mine if v.role in ("decode", "both")]
         self.p = p = [v for v in mine if v.role in ("prefill", "both") and v.kv_endpoint]
         self.d_of = {v.url: i for i, v in enumerate(d)}

@@ -93,29 +93,46 @@ class PlacementConfig:
     work_weight: float = 1.0  # prefix placements: the compute a choice adds (price_pairs)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Assumed:
     """What the selector assumes of a daemon that has not measured itself yet (a fresh start:
-    its rates are 0 and its ITL unknown until it has served): the median of the daemons of its
-    model that have, and ``PlacementConfig``'s defaults only while none has.
+    its rates are 0 and its ITL unknown until it has served, and an idle daemon's ITL ages
+    out): the median of the daemons of its model that have, and ``PlacementConfig``'s defaults
+    only while none has.
 
     A default above what the fleet measures would make every fresh daemon look the fastest:
     three daemons measuring ~700 prefill tokens/s and one just restarted, priced at the default
     5,000, sent that one every long prompt until its first measurement (a cold daemon flooded
-    after a restart or a scale-out)."""
+    after a restart or a scale-out). Each median is taken when first asked for, so a fleet
+    whose daemons have all measured themselves pays nothing (0.16 ms at 700 daemons)."""
 
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    itl_s: float
+    __slots__ = ("_cfg", "_decode", "_itl", "_prefill", "_views")
 
-    @classmethod
-    def of(cls, views: Sequence[DaemonView], cfg: PlacementConfig) -> Assumed:
-        """From ``views``: one model's daemons (those that have measured themselves count)."""
-        return cls(
-            _median((v.prefill_tokens_per_s for v in views), cfg.default_prefill_tokens_per_s),
-            _median((v.decode_tokens_per_s for v in views), cfg.default_decode_tokens_per_s),
-            _median((v.itl_p50_s or 0.0 for v in views), cfg.default_itl_s),
-        )
+    def __init__(self, views: Sequence[DaemonView], cfg: PlacementConfig) -> None:
+        """``views``: one model's daemons (those that have measured themselves count)."""
+        self._views, self._cfg = views, cfg
+        self._prefill: float | None = None
+        self._decode: float | None = None
+        self._itl: float | None = None
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        if self._prefill is None:
+            rates = (v.prefill_tokens_per_s for v in self._views)
+            self._prefill = _median(rates, self._cfg.default_prefill_tokens_per_s)
+        return self._prefill
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        if self._decode is None:
+            rates = (v.decode_tokens_per_s for v in self._views)
+            self._decode = _median(rates, self._cfg.default_decode_tokens_per_s)
+        return self._decode
+
+    @property
+    def itl_s(self) -> float:
+        if self._itl is None:
+            self._itl = _median((v.itl_p50_s or 0.0 for v in self._views), self._cfg.default_itl_s)
+        return self._itl
 
 
 def _median(values: Iterable[float], default: float) -> float:
