@@ -99,11 +99,11 @@ class Assumed:
     out): the median of the daemons of its model that have, and ``PlacementConfig``'s defaults
     only while none has.
 
-    A default above what the fleet measures would make every fresh daemon look the fastest:
-    three daemons measuring ~700 prefill tokens/s and one just restarted, priced at the default
-    5,000, sent that one every long prompt until its first measurement (a cold daemon flooded
-    after a restart or a scale-out). Each median is taken when first asked for, so a fleet
-    whose daemons have all measured themselves pays nothing (0.16 ms at 700 daemons)."""
+    A default above what the fleet measures makes every fresh daemon look the fastest: beside
+    two daemons measuring ~700 prefill tokens/s, a third that had not reported a rate yet was
+    priced at the default 5,000 and took all three long prompts of a burst (a cold daemon
+    flooded after a restart or a scale-out). Each median is taken when first asked for, so a
+    fleet whose daemons have all measured themselves pays nothing (0.16 ms at 700 daemons)."""
 
     __slots__ = ("_cfg", "_decode", "_itl", "_prefill", "_views")
 

@@ -10,9 +10,9 @@ inline: a pool hop costs more than encoding a few hundred tokens.
 Only daemons that tokenise alike (same ``tokenizer_id`` and block size) are asked: their keys
 are the only ones the request's keys can match. Which daemons those are is worked out once per
 registry snapshot and model, not per request: the scan costs ~0.2 ms at 700 daemons, more than
-the placement it serves. And only when the selector has pruned its
-candidates (:class:`~edgeinfer.router.placement.PrefixHits` carries the lookup, not its
-answer): the index costs ~2 us per daemon asked, ~2 ms for a fleet of 700.
+the placement it serves. And they are asked only once the selector has pruned its candidates
+(:class:`~edgeinfer.router.placement.PrefixHits` carries the lookup, not its answer): the index
+costs ~2 us per daemon asked, ~2 ms for a fleet of 700.
 """
 
 from __future__ import annotations
