@@ -3,6 +3,16 @@ defining its own (a different config, a checkpoint of its own shape)."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Without a GPU, Triton's kernels run on CPU tensors under its interpreter, which is chosen when
+# triton is first imported (the imports below import it): choose it here, so that a plain
+# `pytest` runs the Triton tests as `make test` does, whatever order the modules load in.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +20,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from daemon_helpers import build_checkpoint, daemon_config, load_engine, start, wait_for_idle_engine
+from daemon_helpers import (
+    build_checkpoint,
+    daemon_config,
+    load_engine,
+    start,
+    wait_for_idle_engine,
+)
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 
 

@@ -9,9 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-# The interpreter must be chosen before triton is imported; on a CUDA machine run natively.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# conftest.py chooses the interpreter without a GPU, before triton is first imported.
 pytest.importorskip("triton")
 
 from edgeinfer.kernels.compression.encoder import compress_tensor
