@@ -4,6 +4,7 @@ its paths."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import NamedTuple
@@ -105,34 +106,23 @@ class Assumed:
     flooded after a restart or a scale-out). Each median is taken when first asked for, so a
     fleet whose daemons have all measured themselves pays nothing (0.16 ms at 700 daemons)."""
 
-    __slots__ = ("_cfg", "_decode", "_itl", "_prefill", "_views")
-
     def __init__(self, views: Sequence[DaemonView], cfg: PlacementConfig) -> None:
         """``views``: one model's daemons (those that have measured themselves count)."""
         self._views, self._cfg = views, cfg
-        self._prefill: float | None = None
-        self._decode: float | None = None
-        self._itl: float | None = None
 
-    @property
+    @functools.cached_property
     def prefill_tokens_per_s(self) -> float:
-        if self._prefill is None:
-            rates = (v.prefill_tokens_per_s for v in self._views)
-            self._prefill = _median(rates, self._cfg.default_prefill_tokens_per_s)
-        return self._prefill
+        rates = (v.prefill_tokens_per_s for v in self._views)
+        return _median(rates, self._cfg.default_prefill_tokens_per_s)
 
-    @property
+    @functools.cached_property
     def decode_tokens_per_s(self) -> float:
-        if self._decode is None:
-            rates = (v.decode_tokens_per_s for v in self._views)
-            self._decode = _median(rates, self._cfg.default_decode_tokens_per_s)
-        return self._decode
+        rates = (v.decode_tokens_per_s for v in self._views)
+        return _median(rates, self._cfg.default_decode_tokens_per_s)
 
-    @property
+    @functools.cached_property
     def itl_s(self) -> float:
-        if self._itl is None:
-            self._itl = _median((v.itl_p50_s or 0.0 for v in self._views), self._cfg.default_itl_s)
-        return self._itl
+        return _median((v.itl_p50_s or 0.0 for v in self._views), self._cfg.default_itl_s)
 
 
 def _median(values: Iterable[float], default: float) -> float:
