@@ -20,13 +20,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from daemon_helpers import (
-    build_checkpoint,
-    daemon_config,
-    load_engine,
-    start,
-    wait_for_idle_engine,
-)
+from daemon_helpers import build_checkpoint, daemon_config, load_engine, start, wait_for_idle_engine
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 
 
