@@ -60,8 +60,10 @@ SMOLLM2 = {
 }
 
 
-def build_model(dtype: torch.dtype) -> CausalLM:
-    """SmolLM2-135M with random weights, fused and packed as ``ModelRunner`` loads it."""
+def build_model(dtype: torch.dtype, bf16_values: bool = True) -> CausalLM:
+    """SmolLM2-135M with random weights, fused and packed as ``ModelRunner`` loads it; with
+    ``bf16_values`` every weight is a bfloat16 value, as when its bf16 checkpoint is loaded
+    (in float32 the skinny GEMM's panels are then held in bf16)."""
     cfg = ModelConfig.from_dict(SMOLLM2)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -71,6 +73,8 @@ def build_model(dtype: torch.dtype) -> CausalLM:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
+            if bf16_values:
+                p.copy_(p.bfloat16())
     model.pack_weights()
     return model
 
@@ -90,7 +94,7 @@ def step_rows(model: CausalLM, budget_s: float) -> list[dict]:
     pairs = [pair for group in projections(model).values() for pair in group]
     rows_out: list[dict] = []
     for rows in (1, 2, 4, 8) if pairs else ():  # none where no weight has panels
-        dtype = pairs[0][1].panels.dtype
+        dtype = pairs[0][1].dtype
         xs = {w.in_features: torch.randn(rows, w.in_features).to(dtype) for _, w in pairs}
 
         def onednn(xs: dict = xs) -> None:
@@ -116,12 +120,18 @@ def main() -> None:
     parser.add_argument("--march", default="native", choices=native_build.MARCHES)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--budget", type=float, default=0.4, help="seconds per case, here")
+    parser.add_argument(
+        "--any-float32-weights",
+        action="store_true",
+        help="random float32 weights that are not bfloat16 values (a float32 checkpoint): "
+        "the skinny GEMM's panels stay float32",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.environ[native_build.ENV_MARCH] = args.march  # read when each library first loads
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    model = build_model(dtype)
+    model = build_model(dtype, bf16_values=not args.any_float32_weights)
     cfg = model.config
     sizes = Sizes(dtype, block_size=16, max_num_seqs=64, max_tokens=2048)
     sets = trial_sets(model, sizes)

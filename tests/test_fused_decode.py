@@ -79,6 +79,30 @@ def test_fused_steps_give_the_op_by_op_tokens(
         assert batch in rows  # the fused path really ran at this batch size
 
 
+def test_a_float32_model_of_bf16_weights_fuses_on_halved_panels(
+    tmp_path: Path, every_kernel: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bf16 checkpoint served in float32 (a CPU without bf16 dot products): every projection's
+    # panels are held in bf16 and the fused path calls the kernel that widens them.
+    ckpt = build_tiny_checkpoint(
+        tmp_path / "bf16", hidden_size=256, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16
+    )
+    engine = LLMEngine(EngineConfig(model=str(ckpt), num_threads=2, dtype="float32"))
+    model = engine.runner.model
+    fused = model.fused_decode
+    assert fused is not None and fused.dtype == torch.float32
+    assert all(w.halved for w in fused._weights)
+    rows = _count_calls(monkeypatch)
+    prompts = random_prompts(3, 512, 3, 60, seed=6)
+    model.fused_decode = None
+    engine.generate(prompts, GREEDY)
+    model.fused_decode = fused
+    got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    model.fused_decode = None
+    want = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    assert got == want and 3 in rows
+
+
 @pytest.mark.parametrize("refused_by", ["its trial", "given-back panels"])
 def test_steps_the_fused_path_does_not_take(
     tmp_path: Path, every_kernel: None, monkeypatch: pytest.MonkeyPatch, refused_by: str

@@ -245,6 +245,13 @@ def test_every_kernel_at_every_target(at_march):
             got = skinny_gemm.skinny_linear(x, prepared, b)
             expected = torch.nn.functional.linear(x.double(), w.double(), b.double())
             torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+            # bf16-valued float32 weights: panels held in bf16, the float32 kernel's result
+            w16 = w.bfloat16().float()
+            halved = skinny_gemm.prepare(w16)
+            full = skinny_gemm.prepare(w16, halve=False)
+            assert halved is not None and halved.halved and full is not None
+            got = skinny_gemm.skinny_linear(x, halved, b)
+            assert torch.equal(got, skinny_gemm.skinny_linear(x, full, b))
     # bfloat16 weights: the AVX512-BF16 kernel where the target has it; v2 and v3 build without
     if at_march != "native":
         assert not skinny_gemm.takes_bf16()

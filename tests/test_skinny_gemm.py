@@ -61,6 +61,39 @@ def test_skinny_linear_takes_views_and_leading_dims():
     assert skinny_gemm.skinny_linear(torch.empty(0, 32), prepared).shape == (0, 24)
 
 
+@pytest.mark.parametrize("rows", list(range(1, 9)))
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (37, 100), (5, 17)])
+def test_float32_weights_of_a_bf16_checkpoint_are_held_in_half_the_bytes(
+    rows, out_features, in_features
+):
+    # A float32 model loaded from a bf16 checkpoint: every weight a bf16 value.
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16().float()
+    b = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    halved, full = skinny_gemm.prepare(w), skinny_gemm.prepare(w, halve=False)
+    assert halved is not None and full is not None
+    assert halved.halved and halved.panels.dtype == torch.bfloat16
+    assert not full.halved and full.panels.dtype == torch.float32
+    assert halved.panels.nbytes * 2 == full.panels.nbytes
+    y = skinny_gemm.skinny_linear(x, halved, b)
+    assert y.dtype == torch.float32
+    # the same products summed in the same order: bit for bit the float32 kernel's result
+    assert torch.equal(y, skinny_gemm.skinny_linear(x, full, b))
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_weight_that_is_not_bf16_exact_keeps_float32_panels():
+    w = torch.randn(40, 24).bfloat16().float()
+    assert skinny_gemm.bf16_exact(w)
+    w[3, 5] += 2**-20  # one value bf16 cannot hold
+    assert not skinny_gemm.bf16_exact(w)
+    prepared = skinny_gemm.prepare(w)
+    assert prepared is not None and not prepared.halved
+    x = torch.randn(2, 24)
+    torch.testing.assert_close(skinny_gemm.skinny_linear(x, prepared), F.linear(x, w))
+
+
 def _bf16_built() -> None:
     if not skinny_gemm.takes_bf16():
         pytest.skip("this build has no AVX512-BF16: bfloat16 weights stay on oneDNN")

@@ -79,14 +79,15 @@ def _entries() -> dict[torch.dtype, Any] | None:
     return entries
 
 
-def ops(dtype: torch.dtype, attention: int | None) -> Ops | None:
+def ops(dtype: torch.dtype, attention: int | None, panels: torch.dtype | None = None) -> Ops | None:
     """The kernels this library sequences for ``dtype``, with ``attention`` the decode
-    attention's entry point (:meth:`PreparedDecode.entry_address`); None where any of them,
-    or this library, is not built here."""
+    attention's entry point (:meth:`PreparedDecode.entry_address`) and the projections' panels
+    held in ``panels`` (default ``dtype``; see :attr:`SkinnyWeight.halved`); None where any of
+    them, or this library, is not built here."""
     if _entries() is None or dtype not in _SUFFIX:
         return None
     addresses = [
-        skinny_gemm.entry_address(dtype),
+        skinny_gemm.entry_address(dtype, panels),
         *(decoder_pointwise.entry_address(op, dtype) for op in (
             "rms_norm", "add_rms_norm", "rotate", "silu_mul",
         )),

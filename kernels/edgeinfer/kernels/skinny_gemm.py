@@ -11,6 +11,11 @@ row, 1.1x at eight (``bench/cpu_kernels.py``). The panel width is the build's ve
 counts where it beat oneDNN on this host (:attr:`SkinnyWeight.route`, set by the engine's
 kernel trials).
 
+A float32 weight whose values are all bfloat16 values (a float32 model loaded from a bf16
+checkpoint: SmolLM2's) keeps its panels in bfloat16, widened back to float32 as the kernel loads
+them: the same products and sums, bit for bit, from half the bytes, so a float32 decode step on
+a CPU without bf16 dot products streams as many bytes as a bf16 one would.
+
 bfloat16 weights get the same panels by pairs of inputs (``[ceil(out / 16), ceil(in / 2), 16,
 2]``) and AVX512-BF16 dot products, float32 sums rounded once to bfloat16, where the build
 targets a CPU that has them (:func:`takes_bf16`); elsewhere they stay on oneDNN. On SmolLM2's
@@ -35,13 +40,20 @@ from edgeinfer.kernels.kernel_choice import SizeRoute
 class SkinnyWeight:
     """A ``[out, in]`` float32 or bfloat16 weight laid out in panels for :func:`skinny_linear`."""
 
-    # float32: [ceil(out / width), in, width]; bfloat16: [ceil(out / 16), ceil(in / 2), 16, 2];
-    # outputs past `out` (and bf16's input past an odd `in`) zero
+    # float32: [ceil(out / width), in, width] (float32, or bfloat16 where every weight is a
+    # bfloat16 value); bfloat16: [ceil(out / 16), ceil(in / 2), 16, 2]; outputs past `out` (and
+    # bf16's input past an odd `in`) zero
     panels: Tensor
     out_features: int
     in_features: int
     max_rows: int  # rows one call takes
     route: SizeRoute | None = None  # the row counts it runs at; None: every one it takes
+    dtype: torch.dtype = torch.float32  # of x, the bias and the output
+
+    @property
+    def halved(self) -> bool:
+        """Float32 arithmetic on panels held in bfloat16 (exact weights, half the bytes)."""
+        return self.dtype == torch.float32 and self.panels.dtype == torch.bfloat16
 
     def runs(self, rows: int) -> bool:
         """Whether a call of ``rows`` rows takes this kernel (else oneDNN)."""
@@ -62,22 +74,29 @@ class _Kernel:
         self.panel = int(lib.edgeinfer_skinny_panel())
         self.bf16_panel = int(lib.edgeinfer_skinny_bf16_panel())  # 0: no bf16 kernel built
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        # (x's dtype, the panels' dtype) -> entry point
         self.gemm = {
-            torch.float32: lib.edgeinfer_skinny_gemm_f32,
-            torch.bfloat16: lib.edgeinfer_skinny_gemm_bf16,
+            (torch.float32, torch.float32): lib.edgeinfer_skinny_gemm_f32,
+            (torch.float32, torch.bfloat16): lib.edgeinfer_skinny_gemm_f32w16,
+            (torch.bfloat16, torch.bfloat16): lib.edgeinfer_skinny_gemm_bf16,
         }
         for gemm in self.gemm.values():
             gemm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
             gemm.restype = ctypes.c_int
 
     def panel_shape(self, dtype: torch.dtype, out_features: int, in_features: int) -> tuple:
-        """The panels' shape for a weight of this dtype and size, in this build (``()`` for
-        bfloat16 in a build without its kernel)."""
+        """The panels' shape for a ``dtype`` weight of this size (the float32 layout also for
+        float32 held in bfloat16), in this build (``()`` for bfloat16 in a build without its
+        kernel)."""
         if dtype == torch.bfloat16:
             if not self.bf16_panel:
                 return ()
             return (-(-out_features // self.bf16_panel), -(-in_features // 2), self.bf16_panel, 2)
         return (-(-out_features // self.panel), in_features, self.panel)
+
+    def has(self, dtype: torch.dtype, panels: torch.dtype) -> bool:
+        """Whether this build computes in ``dtype`` on panels held in ``panels``."""
+        return (dtype, panels) in self.gemm and (dtype != torch.bfloat16 or self.bf16_panel > 0)
 
 
 @functools.cache
@@ -103,27 +122,34 @@ def takes_bf16() -> bool:
     return kernel is not None and kernel.bf16_panel > 0
 
 
-def entry_address(dtype: torch.dtype) -> int | None:
-    """The C entry point for ``dtype`` weights, as an address (for compiled callers such as
-    :mod:`decode_layers`); None where the library or its kernel for ``dtype`` is missing."""
+def entry_address(dtype: torch.dtype, panels: torch.dtype | None = None) -> int | None:
+    """The C entry point for ``dtype`` rows on panels held in ``panels`` (default: ``dtype``),
+    as an address (for compiled callers such as :mod:`decode_layers`); None where the library
+    or that kernel is missing."""
     kernel = _kernel()
-    if (
-        kernel is None
-        or dtype not in kernel.gemm
-        or (dtype == torch.bfloat16 and not kernel.bf16_panel)
-    ):
+    key = (dtype, panels or dtype)
+    if kernel is None or not kernel.has(*key):
         return None
-    return ctypes.cast(kernel.gemm[dtype], ctypes.c_void_p).value
+    return ctypes.cast(kernel.gemm[key], ctypes.c_void_p).value
 
 
-def prepare(weight: Tensor) -> SkinnyWeight | None:
+def bf16_exact(weight: Tensor) -> bool:
+    """Whether every value of a float32 ``weight`` is a bfloat16 value (its low 16 bits zero),
+    so that panels in bfloat16 hold it exactly."""
+    if weight.dtype != torch.float32:
+        return False
+    return not bool((weight.detach().contiguous().view(torch.int32) & 0xFFFF).any())
+
+
+def prepare(weight: Tensor, *, halve: bool | None = None) -> SkinnyWeight | None:
     """``weight [out, in]`` (float32, or bfloat16 where :func:`takes_bf16`; CPU) in panels, or
-    None where the kernel cannot take it."""
+    None where the kernel cannot take it. A float32 weight's panels are held in bfloat16 where
+    that is exact (:func:`bf16_exact`); ``halve=False`` keeps them float32."""
     kernel = _kernel()
     if (
         kernel is None
         or weight.dtype not in (torch.float32, torch.bfloat16)
-        or (weight.dtype == torch.bfloat16 and not kernel.bf16_panel)
+        or not kernel.has(weight.dtype, weight.dtype)
         or weight.device.type != "cpu"
         or weight.dim() != 2
         or weight.is_mkldnn
@@ -134,12 +160,15 @@ def prepare(weight: Tensor) -> SkinnyWeight | None:
     shape = kernel.panel_shape(weight.dtype, out_features, in_features)
     count, panel = shape[0], shape[2]
     inputs = shape[1] * (2 if weight.dtype == torch.bfloat16 else 1)  # bf16: even, zero-padded
-    padded = weight.detach().new_zeros(count * panel, inputs)
+    store = weight.dtype
+    if weight.dtype == torch.float32 and halve is not False and bf16_exact(weight):
+        store = torch.bfloat16
+    padded = weight.detach().new_zeros(count * panel, inputs, dtype=store)
     padded[:out_features, :in_features] = weight.detach()
     # [count, panel, in] -> [count, in, panel]: a panel's row k is its outputs' weights for input
     # k; bf16 by pairs of inputs, [count, panel, in / 2, 2] -> [count, in / 2, panel, 2]
     panels = padded.view(count, panel, shape[1], -1).transpose(1, 2).contiguous().view(shape)
-    return SkinnyWeight(panels, out_features, in_features, kernel.max_rows)
+    return SkinnyWeight(panels, out_features, in_features, kernel.max_rows, dtype=weight.dtype)
 
 
 def skinny_linear(x: Tensor, weight: SkinnyWeight, bias: Tensor | None = None) -> Tensor:
@@ -148,7 +177,7 @@ def skinny_linear(x: Tensor, weight: SkinnyWeight, bias: Tensor | None = None) -
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the native skinny-GEMM kernel is not available on this host")
-    out_features, in_features, dtype = weight.out_features, weight.in_features, weight.panels.dtype
+    out_features, in_features, dtype = weight.out_features, weight.in_features, weight.dtype
     if x.dtype != dtype or not x.is_cpu or x.shape[-1:] != (in_features,):
         raise ValueError(
             f"x {tuple(x.shape)} {x.dtype} does not fit a {dtype} weight of {in_features} inputs"
@@ -170,7 +199,7 @@ def skinny_linear(x: Tensor, weight: SkinnyWeight, bias: Tensor | None = None) -
         x2 = x2.contiguous()
     y = x.new_empty((*x.shape[:-1], out_features))
     if rows:
-        kernel.gemm[dtype](
+        kernel.gemm[dtype, weight.panels.dtype](
             x2.data_ptr(), x2.stride(0), weight.panels.data_ptr(),
             None if bias is None else bias.data_ptr(),
             rows, in_features, out_features, y.data_ptr(), torch.get_num_threads(),

@@ -57,6 +57,8 @@ class FusedDecode:
                 raise ValueError(f"layer {i} has a projection the skinny GEMM does not hold")
             self._weights += weights
             q, o, gu, d = (w.panels for w in weights)
+            if any(w.panels.dtype != self._weights[0].panels.dtype for w in weights):
+                raise ValueError(f"layer {i} holds its panels in more than one dtype")
             table.append(decode_layers.Layer(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
@@ -139,7 +141,9 @@ class FusedDecode:
             prepared = native.PreparedDecode(tables, lens, k0.shape, k0.dtype, self.heads)
         kernels = self._ops
         if kernels is None:
-            kernels = self._ops = decode_layers.ops(self.dtype, prepared.entry_address())
+            kernels = self._ops = decode_layers.ops(
+                self.dtype, prepared.entry_address(), self._weights[0].panels.dtype
+            )
             if kernels is None:
                 raise RuntimeError("the fused decode kernels are not built here")
         scratch = self._scratch.get(rows)

@@ -23,6 +23,13 @@
 // EPYC cores (small weights worst: ~40 us of fixed cost per call), where this reaches ~35-45.
 // Which one runs is measured per shape and row count at load (kernel_choice.py).
 //
+// float32 with weights held in bfloat16 ("w16": a float32 model loaded from a bf16 checkpoint,
+// whose weights are bf16 values exactly) uses the float32 tiles on panels of 16-bit weights,
+// each widened to float32 in registers (a zero-extend and a shift) as it is loaded: the same
+// products and sums as the float32 kernel, bit for bit, from half the bytes. A decode step is a
+// stream through the weights, so on a CPU without bf16 dot products this is where a float32
+// model gets bf16's memory traffic without bf16's arithmetic.
+//
 // bfloat16 (below the float32 kernel) uses the same tiles with vdpbf16ps; a target without
 // AVX512-BF16 (x86-64-v2, v3, most AVX-512 CPUs before Cooper Lake and Zen 4) builds without it
 // and reports a panel width of 0, and bfloat16 weights stay on oneDNN there. On SmolLM2's whole
@@ -58,6 +65,8 @@ constexpr int64_t kMaxRows = 8;  // rows per call (more: callers use oneDNN)
 constexpr int64_t kPrefetch = 1024;
 
 typedef float vfloat __attribute__((vector_size(kPanel * sizeof(float))));
+typedef uint16_t vhalf __attribute__((vector_size(kPanel * sizeof(uint16_t))));
+typedef uint32_t vword __attribute__((vector_size(kPanel * sizeof(uint32_t))));
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -65,17 +74,34 @@ inline vfloat load(const float* p) {
   return v;
 }
 
-template <int64_t MB, int64_t NB>
-void tile(const float* x, int64_t x_stride, const float* panels, const float* bias, int64_t K,
+// kPanel bfloat16 weights as float32: a bf16 value is a float32's upper 16 bits.
+inline vfloat load(const uint16_t* p) {
+  vhalf h;
+  std::memcpy(&h, p, sizeof h);
+  const vword wide = __builtin_convertvector(h, vword) << 16;
+  vfloat v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+// Weight rows (one vector of a panel) ahead that a stream is prefetched.
+template <typename W>
+constexpr int64_t prefetch_rows() {
+  return kPrefetch / (kPanel * int64_t(sizeof(W)));
+}
+
+// W: the panels' element, float or uint16_t (bfloat16 bits, widened as loaded).
+template <int64_t MB, int64_t NB, typename W>
+void tile(const float* x, int64_t x_stride, const W* panels, const float* bias, int64_t K,
           int64_t N, int64_t p0, float* y) {
   vfloat acc[MB][NB];
   for (int64_t m = 0; m < MB; ++m)
     for (int64_t b = 0; b < NB; ++b) acc[m][b] = vfloat{};
-  const float* w = panels + p0 * K * kPanel;
+  const W* w = panels + p0 * K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
     vfloat wv[NB];
     for (int64_t b = 0; b < NB; ++b) {
-      __builtin_prefetch(w + (b * K + k + kPrefetch / sizeof(vfloat)) * kPanel);
+      __builtin_prefetch(w + (b * K + k + prefetch_rows<W>()) * kPanel);
       wv[b] = load(w + (b * K + k) * kPanel);
     }
     for (int64_t m = 0; m < MB; ++m) {
@@ -106,8 +132,8 @@ constexpr int64_t kBlockK = 128;
 
 // sum[m][b] += the products of inputs [k0, k1) for MB rows and NB panels (starting at w), the
 // accumulators in registers for the block.
-template <int64_t MB, int64_t NB>
-inline void accumulate(const float* x, int64_t x_stride, const float* w, int64_t K, int64_t k0,
+template <int64_t MB, int64_t NB, typename W>
+inline void accumulate(const float* x, int64_t x_stride, const W* w, int64_t K, int64_t k0,
                        int64_t k1, vfloat (*sum)[NB]) {
   vfloat acc[MB][NB];
   for (int64_t m = 0; m < MB; ++m)
@@ -127,13 +153,13 @@ inline void accumulate(const float* x, int64_t x_stride, const float* w, int64_t
 // tile() for more rows than leave the registers room for 3 weight streams (AVX2 from 5 rows:
 // 8 rows would keep one stream, and lost to oneDNN): the rows in two groups, G then MB - G,
 // that take turns over blocks of kBlockK inputs. Each weight byte still comes from memory once.
-template <int64_t MB, int64_t NB, int64_t G>
-void split_tile(const float* x, int64_t x_stride, const float* panels, const float* bias,
+template <int64_t MB, int64_t NB, int64_t G, typename W>
+void split_tile(const float* x, int64_t x_stride, const W* panels, const float* bias,
                 int64_t K, int64_t N, int64_t p0, float* y) {
   vfloat sum[MB][NB];
   for (int64_t m = 0; m < MB; ++m)
     for (int64_t b = 0; b < NB; ++b) sum[m][b] = vfloat{};
-  const float* w = panels + p0 * K * kPanel;
+  const W* w = panels + p0 * K * kPanel;
   for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
     const int64_t k1 = K - k0 < kBlockK ? K : k0 + kBlockK;
     accumulate<G, NB>(x, x_stride, w, K, k0, k1, sum);
@@ -148,8 +174,8 @@ void split_tile(const float* x, int64_t x_stride, const float* panels, const flo
   }
 }
 
-template <int64_t MB>
-void rows_of(const float* x, int64_t x_stride, const float* panels, const float* bias, int64_t K,
+template <int64_t MB, typename W>
+void rows_of(const float* x, int64_t x_stride, const W* panels, const float* bias, int64_t K,
              int64_t N, float* y, int threads) {
   constexpr bool split = streams<MB>() < 3;
   constexpr int64_t G = split ? (MB + 1) / 2 : MB;  // rows of the first group
@@ -168,6 +194,24 @@ void rows_of(const float* x, int64_t x_stride, const float* panels, const float*
     }
     for (; p < last; ++p) tile<MB, 1>(x, x_stride, panels, bias, K, N, p, y);
   }
+}
+
+template <typename W>
+int f32_gemm(const float* x, int64_t x_stride, const W* panels, const float* bias, int64_t rows,
+             int64_t in, int64_t out, float* y, int threads) {
+  if (rows < 0 || rows > kMaxRows || in < 1 || out < 1) return 1;
+  switch (rows) {
+    case 0: break;
+    case 1: rows_of<1>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 2: rows_of<2>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 3: rows_of<3>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 4: rows_of<4>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 5: rows_of<5>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 6: rows_of<6>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 7: rows_of<7>(x, x_stride, panels, bias, in, out, y, threads); break;
+    default: rows_of<8>(x, x_stride, panels, bias, in, out, y, threads); break;
+  }
+  return 0;
 }
 
 #if defined(__AVX512BF16__)
@@ -273,19 +317,14 @@ int64_t edgeinfer_skinny_bf16_panel() { return kBf16Panel; }
 int edgeinfer_skinny_gemm_f32(const float* x, int64_t x_stride, const float* panels,
                               const float* bias, int64_t rows, int64_t in, int64_t out, float* y,
                               int threads) {
-  if (rows < 0 || rows > kMaxRows || in < 1 || out < 1) return 1;
-  switch (rows) {
-    case 0: break;
-    case 1: rows_of<1>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 2: rows_of<2>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 3: rows_of<3>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 4: rows_of<4>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 5: rows_of<5>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 6: rows_of<6>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 7: rows_of<7>(x, x_stride, panels, bias, in, out, y, threads); break;
-    default: rows_of<8>(x, x_stride, panels, bias, in, out, y, threads); break;
-  }
-  return 0;
+  return f32_gemm(x, x_stride, panels, bias, rows, in, out, y, threads);
+}
+
+// The same with the panels' weights as bfloat16 bits (w16, above): x, bias and y float32.
+int edgeinfer_skinny_gemm_f32w16(const float* x, int64_t x_stride, const uint16_t* panels,
+                                 const float* bias, int64_t rows, int64_t in, int64_t out,
+                                 float* y, int threads) {
+  return f32_gemm(x, x_stride, panels, bias, rows, in, out, y, threads);
 }
 
 // The same in bfloat16 (x, bias and y as their 16 bits), panels as above bf16_tile. Returns 0,
