@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
+from edgeinfer.shared import processes
 from edgeinfer.shared.processes import free_port, spawn
 
 # Exits 0 half a second after the first SIGTERM, 3 at once on a second one.
@@ -58,3 +60,13 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
     # same port twice (HTTP and heartbeat) refuses its own configuration.
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
+
+
+def test_free_port_is_no_port_a_bind_to_zero_can_take() -> None:
+    # A test's aiohttp server binds port 0 after the daemon's ZeroMQ ports were handed out;
+    # drawn from the kernel's ephemeral range, one of them could be that server's port.
+    low = processes._ephemeral_range()[0]
+    assert all(processes._LOWEST <= free_port() < low for _ in range(50))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] >= low

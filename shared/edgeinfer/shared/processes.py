@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,25 +23,52 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Ports free_port has handed out in this process. The kernel may give a just-released port
-# to the next bind-to-0, so two calls in a row (a daemon's HTTP and heartbeat ports) could
-# return the same one, and the daemon then refuses its own configuration.
+# Ports free_port has handed out in this process (it never hands one out twice).
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
+# Where free_port looks when the kernel's ephemeral range cannot be read (Linux's default).
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_LOWEST = 10000  # below: ports that services commonly take
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives to binds to port 0 and to outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now and not handed out before by this process (the
-    usual bind-to-0 race with other processes still applies)."""
+    """A TCP port nobody listens on right now, never handed out before by this process.
+
+    It is drawn below the kernel's ephemeral range: a port taken from that range (a bind to
+    port 0) is free again once the probe closes, and before its caller binds it the kernel could
+    hand it to anyone's bind to 0 or outgoing connection, e.g. an aiohttp test server beside a
+    daemon whose ZeroMQ port it is. Where no such room exists, a bind to port 0 it is."""
+    low = _ephemeral_range()[0]
+    rng = random.Random()
     with _handed_out_lock:
-        for _ in range(64):
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = int(s.getsockname()[1])
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
-    raise RuntimeError("no fresh free port after 64 tries")
+        for _ in range(256):
+            if low - 1 > _LOWEST:
+                port = rng.randint(_LOWEST, low - 1)
+                if port in _handed_out:
+                    continue
+                with socket.socket() as s:
+                    try:
+                        s.bind((host, port))
+                    except OSError:
+                        continue
+            else:
+                with socket.socket() as s:
+                    s.bind((host, 0))
+                    port = int(s.getsockname()[1])
+                if port in _handed_out:
+                    continue
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no fresh free port after 256 tries")
 
 
 def http_get(url: str, timeout: float = 5.0, token: str | None = None) -> tuple[int, bytes]:
