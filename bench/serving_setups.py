@@ -39,9 +39,10 @@ def daemon_cmd(model_dir: Path, core: str, port: int, kv_port: int, *args: str) 
 
 def vllm_dtype(dtype: str) -> str:
     """The dtype vLLM runs in. Its ``auto`` takes the checkpoint's bfloat16 even on a CPU
-    without bf16 dot products, where oneDNN cannot build its bf16 linears and it runs 2-6x
-    slower than in float32 (AMD EPYC, AVX2: 22.6 against 70-130 tok/s at 8 streams), so there
-    ``auto`` gives vLLM float32, the choice a user of that host makes and the daemon's own."""
+    without bf16 dot products, where oneDNN cannot build its bf16 linears and it runs 2-4x
+    slower than in float32 (AMD EPYC, AVX2, 8 streams on all cores: 22.6 against 53-84 tok/s),
+    so there ``auto`` gives vLLM float32, the choice a user of that host makes and the
+    daemon's own."""
     if dtype != "auto" or native_bf16():
         return dtype
     return "float32"

@@ -101,6 +101,13 @@ def test_a_float32_model_of_bf16_weights_fuses_on_halved_panels(
     model.fused_decode = None
     want = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     assert got == want and 3 in rows
+    # One layer's projection in float32 panels (a weight that was not bf16-exact): the fused
+    # path, one GEMM entry for all, does not take the model; it does not fail to load either.
+    old = model.model.layers[1].mlp.gate_up.skinny
+    assert old is not None
+    full = torch.ones(old.out_features, old.in_features)
+    model.model.layers[1].mlp.gate_up.skinny = skinny_gemm.prepare(full, halve=False)
+    assert FusedDecode.of(list(model.model.layers), engine.runner.kv_cache) is None
 
 
 @pytest.mark.parametrize("refused_by", ["its trial", "given-back panels"])

@@ -55,6 +55,13 @@ class SkinnyWeight:
         """Float32 arithmetic on panels held in bfloat16 (exact weights, half the bytes)."""
         return self.dtype == torch.float32 and self.panels.dtype == torch.bfloat16
 
+    @property
+    def label(self) -> str:
+        """Its dtype, and the panels' where they differ (as kernel trials name their cases: a
+        verdict holds only for the layout it timed)."""
+        name = str(self.dtype).removeprefix("torch.")
+        return f"{name} (bfloat16 panels)" if self.halved else name
+
     def runs(self, rows: int) -> bool:
         """Whether a call of ``rows`` rows takes this kernel (else oneDNN)."""
         return 0 < rows <= self.max_rows and (self.route is None or self.route(rows))

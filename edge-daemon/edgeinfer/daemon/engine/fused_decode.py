@@ -58,7 +58,7 @@ class FusedDecode:
             self._weights += weights
             q, o, gu, d = (w.panels for w in weights)
             if any(w.panels.dtype != self._weights[0].panels.dtype for w in weights):
-                raise ValueError(f"layer {i} holds its panels in more than one dtype")
+                raise ValueError(f"layer {i} holds panels in another dtype than the first layer")
             table.append(decode_layers.Layer(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
@@ -83,6 +83,8 @@ class FusedDecode:
         dtype = first.input_layernorm.weight.dtype
         if not decode_layers.available(dtype) or kv_cache.k[0].device.type != "cpu":
             return None
+        skinny = first.self_attn.qkv.skinny
+        panels = skinny.panels.dtype if skinny is not None else None
         for layer in decoders:
             a, m = layer.self_attn, layer.mlp
             projections = (a.qkv, a.o_proj, m.gate_up, m.down_proj)
@@ -90,7 +92,8 @@ class FusedDecode:
                 a.q_norm is not None
                 or layer._forward_hooks
                 or layer._forward_pre_hooks
-                or any(p.skinny is None for p in projections)
+                # one GEMM entry for every projection: all panels float32, or all halved
+                or any(p.skinny is None or p.skinny.panels.dtype != panels for p in projections)
                 or any(
                     p.bias is not None and (p.bias.dtype != dtype or not p.bias.is_contiguous())
                     for p in projections

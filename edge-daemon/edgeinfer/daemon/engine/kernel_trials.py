@@ -115,7 +115,7 @@ def skinny_sets(model: CausalLM, sizes: Sizes) -> list[TrialSet]:
 
                 return onednn, skinny
 
-            case = f"{out_f}x{in_f} {_panels_name(pairs[0][1])} x{len(pairs)}, {rows} rows"
+            case = f"{out_f}x{in_f} {pairs[0][1].label} x{len(pairs)}, {rows} rows"
             trials.append((rows, Trial("skinny_gemm", case, "oneDNN", build, setup), True))
 
         def apply(route: SizeRoute, pairs: list = pairs) -> None:
@@ -203,14 +203,6 @@ def pointwise_sets(cfg: ModelConfig, sizes: Sizes) -> list[TrialSet]:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _panels_name(weight: SkinnyWeight) -> str:
-    """The weight's dtype, and where its panels are held in another (a trial's verdict is only
-    good for the layout it timed)."""
-    if weight.panels.dtype == weight.dtype:
-        return _name(weight.dtype)
-    return f"{_name(weight.dtype)} ({_name(weight.panels.dtype)} panels)"
 
 
 def _paged(cfg: ModelConfig, sizes: Sizes, seqs: int, tokens: int) -> tuple[Tensor, ...]:

@@ -38,6 +38,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <omp.h>
 
 #include "cpu_dtypes.h"
@@ -196,22 +197,31 @@ void rows_of(const float* x, int64_t x_stride, const W* panels, const float* bia
   }
 }
 
-template <typename W>
-int f32_gemm(const float* x, int64_t x_stride, const W* panels, const float* bias, int64_t rows,
-             int64_t in, int64_t out, float* y, int threads) {
+// Checks the sizes and calls run(std::integral_constant<int64_t, rows>{}) for rows 1-8 (rows
+// is a template argument of every tile). Returns 0, or 1 when the sizes are out of range.
+template <typename Run>
+int by_rows(int64_t rows, int64_t in, int64_t out, Run run) {
   if (rows < 0 || rows > kMaxRows || in < 1 || out < 1) return 1;
   switch (rows) {
     case 0: break;
-    case 1: rows_of<1>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 2: rows_of<2>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 3: rows_of<3>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 4: rows_of<4>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 5: rows_of<5>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 6: rows_of<6>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 7: rows_of<7>(x, x_stride, panels, bias, in, out, y, threads); break;
-    default: rows_of<8>(x, x_stride, panels, bias, in, out, y, threads); break;
+    case 1: run(std::integral_constant<int64_t, 1>{}); break;
+    case 2: run(std::integral_constant<int64_t, 2>{}); break;
+    case 3: run(std::integral_constant<int64_t, 3>{}); break;
+    case 4: run(std::integral_constant<int64_t, 4>{}); break;
+    case 5: run(std::integral_constant<int64_t, 5>{}); break;
+    case 6: run(std::integral_constant<int64_t, 6>{}); break;
+    case 7: run(std::integral_constant<int64_t, 7>{}); break;
+    default: run(std::integral_constant<int64_t, 8>{}); break;
   }
   return 0;
+}
+
+template <typename W>
+int f32_gemm(const float* x, int64_t x_stride, const W* panels, const float* bias, int64_t rows,
+             int64_t in, int64_t out, float* y, int threads) {
+  return by_rows(rows, in, out, [&](auto mb) {
+    rows_of<decltype(mb)::value>(x, x_stride, panels, bias, in, out, y, threads);
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -333,19 +343,9 @@ int edgeinfer_skinny_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16
                                const uint16_t* bias, int64_t rows, int64_t in, int64_t out,
                                uint16_t* y, int threads) {
 #if defined(__AVX512BF16__)
-  if (rows < 0 || rows > kMaxRows || in < 1 || out < 1) return 1;
-  switch (rows) {
-    case 0: break;
-    case 1: bf16_rows_of<1>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 2: bf16_rows_of<2>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 3: bf16_rows_of<3>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 4: bf16_rows_of<4>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 5: bf16_rows_of<5>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 6: bf16_rows_of<6>(x, x_stride, panels, bias, in, out, y, threads); break;
-    case 7: bf16_rows_of<7>(x, x_stride, panels, bias, in, out, y, threads); break;
-    default: bf16_rows_of<8>(x, x_stride, panels, bias, in, out, y, threads); break;
-  }
-  return 0;
+  return by_rows(rows, in, out, [&](auto mb) {
+    bf16_rows_of<decltype(mb)::value>(x, x_stride, panels, bias, in, out, y, threads);
+  });
 #else
   (void)x, (void)x_stride, (void)panels, (void)bias, (void)rows, (void)in, (void)out, (void)y;
   (void)threads;
