@@ -24,6 +24,14 @@ from daemon_helpers import build_checkpoint, daemon_config, load_engine, start, 
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The router's compiled placement passes are compiled (or loaded from their disk cache)
+    once, before any test starts router processes that would each compile them."""
+    from edgeinfer.router.candidate_cut import warm
+
+    warm()
+
+
 @pytest.fixture(scope="module")
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny test checkpoint, built once per test module."""

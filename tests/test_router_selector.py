@@ -329,6 +329,7 @@ def test_updates_per_placement_match_a_rebuild() -> None:
     same = np.asarray(live.colo) == np.asarray(fresh.colo)
     assert same.sum() >= len(same) - 2
     np.testing.assert_allclose(np.asarray(live.d_rows)[same], np.asarray(fresh.d_rows)[same])
+    assert live.row_arr.tolist() == [list(r) for r in live.d_rows]  # the compiled pass's copy
     np.testing.assert_allclose(live.d_static, fresh.d_static)
     for name in ("own_short", "own_long"):
         np.testing.assert_allclose(getattr(live, name)[same], getattr(fresh, name)[same])
@@ -383,6 +384,7 @@ def test_arrays_carried_to_a_load_only_snapshot_match_a_rebuild() -> None:
     assert (live.colo, live.pool_list) != chosen  # chosen again for the new load
     assert live.d == fresh.d and live.p == fresh.p
     np.testing.assert_allclose(np.asarray(live.d_rows), np.asarray(fresh.d_rows))
+    assert live.row_arr.tolist() == [list(r) for r in live.d_rows]
     for name in ("p_end", "p_inv", "pool_end", "pool_inv", "d_static", "own_short", "own_long",
                  "d_measured", "key_short", "key_long", "pooled_short", "pooled_long"):  # fmt: skip
         np.testing.assert_allclose(getattr(live, name), getattr(fresh, name), err_msg=name)

@@ -264,10 +264,10 @@ class LoadArrays:
         free_col = np.where(waiting > 0, -1.0, free)
         cols = (free_col, admit_wait, local_end, local_inv, local_max, colo_end, colo_inv, penalty,
                 itl)  # fmt: skip
-        # Rows as Python tuples: a decision reads a handful, a placement rewrites one or two.
-        self.d_rows: list[tuple[float, ...]] = list(
-            map(tuple, np.stack(cols, axis=1).reshape(len(self.d), len(Row)).tolist())
-        )
+        # Rows as an array (the compiled decision's) and as Python tuples (the prefix path
+        # reads a few dozen); a placement rewrites one or two of each.
+        self.row_arr: FloatArray = np.stack(cols, axis=1).reshape(len(self.d), len(Row))
+        self.d_rows: list[tuple[float, ...]] = list(map(tuple, self.row_arr.tolist()))
         self.load = (running + waiting).tolist()  # for the power-of-two choice
         # Their total, kept with them (the load guard's mean): loads are counts, sums exact.
         self.load_sum = float(sum(self.load))
@@ -302,8 +302,9 @@ class LoadArrays:
         pooled_short, pooled_long = self.pooled_short, self.pooled_long
         self.key_short[i] = static + (own_short if own_short < pooled_short else pooled_short)
         self.key_long[i] = static + (own_long if own_long < pooled_long else pooled_long)
-        self.d_rows[i] = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv, local_max,
-                          colo_end, colo_inv, penalty, itl)  # fmt: skip
+        self.d_rows[i] = row = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv,
+                                local_max, colo_end, colo_inv, penalty, itl)  # fmt: skip
+        self.row_arr[i] = row
         self.load_sum += running + waiting - self.load[i]
         self.load[i] = running + waiting
 

@@ -28,6 +28,7 @@ import click
 import uvloop
 from aiohttp import web
 
+from edgeinfer.router import candidate_cut
 from edgeinfer.router.app import (
     RouterSetup,
     create_app,
@@ -159,6 +160,9 @@ def main(
     configure_logging(config.log_level, config.log_format)
     if setup.admin_token is None:
         log.warning("no admin_token_file: the admin API (drain, status) refuses every call")
+    # Placement's compiled passes: from the disk cache, or compiled once (seconds) before the
+    # router listens rather than inside its first request.
+    candidate_cut.warm()
     try:
         # The PoP list is reloaded separately (reload_pops); these are the [router] settings.
         uvloop.run(serve(setup, SettingsReloader(config, load, LOGGING_KEYS)))

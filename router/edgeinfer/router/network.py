@@ -98,6 +98,11 @@ class NetworkModel:
         """Seconds of RTT floor per radian of great circle."""
         return EARTH_RADIUS_KM / self.fibre_km_per_ms * 1e-3
 
+    @property
+    def fixed_rtt_s(self) -> float:
+        """Seconds added to every RTT between distinct places."""
+        return self.fixed_rtt_ms * 1e-3
+
     def rtt_floor_to_point_s(self, xyz: FloatArray, point: Sequence[float]) -> FloatArray:
         """RTT floor from each unit vector of ``xyz`` [N, 3] to the unit vector ``point`` (the
         selector's hot path: one per request)."""
@@ -105,13 +110,13 @@ class NetworkModel:
         # clipping passes: arccos(1 - 1e-12) is 9 metres.
         rtt = np.arccos(xyz @ np.multiply(point, 1.0 - 1e-12))
         rtt *= self.s_per_radian
-        rtt += self.fixed_rtt_ms * 1e-3
+        rtt += self.fixed_rtt_s
         return rtt
 
     def rtt_floor_from_dot_s(self, dot: Any) -> Any:
         """:meth:`rtt_floor_s` of :func:`km_from_dot`, folded into one multiply-add."""
         return np.arccos(np.minimum(np.maximum(dot, -1.0), 1.0)) * self.s_per_radian + (
-            self.fixed_rtt_ms * 1e-3
+            self.fixed_rtt_s
         )
 
     def in_catchment(self, client: Located, here: Located) -> bool:

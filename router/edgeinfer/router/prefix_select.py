@@ -28,8 +28,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from edgeinfer.router.candidate_cut import ClientRtt
 from edgeinfer.router.load_arrays import LoadArrays, Row
-from edgeinfer.router.network import FloatArray, NetworkModel
+from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.placement import Placement, PlacementConfig, RequestFeatures
 from edgeinfer.router.prefix_pairs import Candidates, choose
 from edgeinfer.router.prefix_scoring import cached_tokens
@@ -48,7 +49,7 @@ def _best(hits: list[tuple[int, float, int]], k: int) -> list[int]:
 
 
 def select_with_prefix(
-    a: LoadArrays, net: NetworkModel, net_s: FloatArray, features: RequestFeatures,
+    a: LoadArrays, net: NetworkModel, rtt: ClientRtt, features: RequestFeatures,
     cfg: PlacementConfig, rng: random.Random, limit: int, t: float,
 ) -> list[Placement] | None:  # fmt: skip
     """Placements best first, one per decode daemon; None when no candidate holds any of the
@@ -57,8 +58,8 @@ def select_with_prefix(
     if px is None:
         return None
     prompt = max(1, features.prompt_tokens)
-    n_d, k, eps = len(a.d), cfg.decode_candidates, cfg.load_eps
-    key = net_s + (a.key_short if prompt <= cfg.short_prompt_tokens else a.key_long)
+    k, eps = cfg.decode_candidates, cfg.load_eps
+    key = a.key_short if prompt <= cfg.short_prompt_tokens else a.key_long
     # The load guard's bounds (prefix_scoring.under_bound) as scalars: only the candidates'
     # loads are compared with them.
     load, p_end_l = a.load, a.p_end_l
@@ -73,16 +74,14 @@ def select_with_prefix(
     if px.lookup is not None:
         # The index is asked about the candidates only: the pruned decode daemons of a wider
         # cut, their co-located prefill peers and the prefill pool.
-        kw = max(cfg.prefix_lookup_candidates, k)
-        wide = key.argpartition(kw - 1)[:kw] if n_d > kw else np.arange(n_d)
-        wide_l = wide.tolist()
+        wide_l = rtt.cheapest(key, max(cfg.prefix_lookup_candidates, k))[0].tolist()
         ask = {a.d[i].url for i in wide_l}
         ask.update(a.p[j].url for j in a.pool_list)
         ask.update(a.p[c].url for i in wide_l if (c := a.colo[i]) >= 0)
         hits = px.lookup(ask)
-        pruned = wide[key[wide].argpartition(k - 1)[:k]].tolist() if len(wide) > k else wide_l
+        pruned = wide_l[:k]  # the wide cut is cheapest first
     else:
-        pruned = key.argpartition(k - 1)[:k].tolist() if n_d > k else list(range(n_d))
+        pruned = rtt.cheapest(key, k)[0].tolist()
     if not hits:
         return None
     kh = cfg.prefix_candidates
@@ -93,7 +92,7 @@ def select_with_prefix(
     d_of, p_of = a.d_of, a.p_of
     for url, blocks in hits.items():
         if (i := d_of.get(url)) is not None and load[i] <= d_bound:
-            d_held.append((blocks, net_s.item(i), i))
+            d_held.append((blocks, rtt(i), i))
         if (j := p_of.get(url)) is not None:
             q = p_end_l[j] - t
             if q <= p_bound:  # (a negative queue is an idle daemon: within the bound)
@@ -121,12 +120,12 @@ def select_with_prefix(
             p_tok[j] = tokens
     tok = d_tok, p_tok
     found = (
-        _priced(a, net, net_s, features, cfg, rng, limit, t, d_list, pset_l, p_queue, tok)
+        _priced(a, net, rtt, features, cfg, rng, limit, t, d_list, pset_l, p_queue, tok)
         if d_list
         else None
     )
     if found is None and len(d_list) < len(sel_l):
-        found = _priced(a, net, net_s, features, cfg, rng, limit, t, sel_l, pset_l, p_queue,
+        found = _priced(a, net, rtt, features, cfg, rng, limit, t, sel_l, pset_l, p_queue,
                         tok, d_bound)  # fmt: skip
     return found or []
 
@@ -140,7 +139,7 @@ def _recent_of(a: LoadArrays, d_list: list[int], t: float) -> Callable[[int], fl
 
 
 def _priced(
-    a: LoadArrays, net: NetworkModel, net_s: FloatArray, features: RequestFeatures,
+    a: LoadArrays, net: NetworkModel, rtt: ClientRtt, features: RequestFeatures,
     cfg: PlacementConfig, rng: random.Random, limit: int, t: float, d_list: list[int],
     pset_l: list[int], p_queue: list[float], tok: tuple[dict[int, int], dict[int, int]],
     d_bound: float | None = None,
@@ -151,7 +150,7 @@ def _priced(
     prompt = max(1, features.prompt_tokens)
     d_rows = [a.d_rows[i] for i in d_list]
     need = prompt + features.max_tokens
-    net_l = [net_s.item(i) for i in d_list]
+    net_l = [rtt(i) for i in d_list]
     admit_l = [0.0 if r[_FREE] >= need else r[_WAIT] for r in d_rows]
     d_tok, p_tok = tok  # prompt tokens cached, per decode and prefill row holding any
     d_cached = [d_tok.get(i, 0) for i in d_list]

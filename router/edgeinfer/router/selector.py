@@ -47,12 +47,18 @@ import math
 import random
 from collections.abc import Sequence
 
-import numpy as np
-
+from edgeinfer.router.candidate_cut import (
+    ITL,
+    ROW,
+    SCORE,
+    ClientRtt,
+    price_candidates,
+    unit_vector,
+)  # fmt: skip
 from edgeinfer.router.geo import GeoPoint
 from edgeinfer.router.inflight import PlacementLedger, Ticket
 from edgeinfer.router.load_arrays import LoadArrays
-from edgeinfer.router.network import FloatArray, NetworkModel
+from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.placement import Placement, PlacementConfig, PrefixHits, RequestFeatures
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.prefix_select import select_with_prefix
@@ -86,101 +92,70 @@ def select(
     if a is None or not a.d or limit < 1:
         return []
     t = now if now is not None else 0.0  # queues are end times on this clock (load_arrays)
-    net_s = _net_to_client(prep, a, net, client, here, here_point)
+    rtt = _client_rtt(prep, a, net, client, here, here_point)
     px = features.prefix
     if px is not None and (px.hits or px.lookup is not None):
         # None: no candidate holds the prefix; []: no pair of them within the load guard can
         # place it (their queues grew since the pool was chosen). Either way the path below
         # decides, pricing the whole pool: a request is never refused for its cache's sake.
-        placed = select_with_prefix(a, net, net_s, features, cfg, rng, limit, t)
+        placed = select_with_prefix(a, net, rtt, features, cfg, rng, limit, t)
         if placed:
             return placed
     prompt = max(1, features.prompt_tokens)
-    # Keep the D with the best network + static cost; price them exactly below.
     short = prompt <= cfg.short_prompt_tokens
-    k = cfg.decode_candidates
-    cost = net_s + (a.key_short if short else a.key_long)
-    sel = cost.argpartition(k - 1)[:k] if len(a.d) > k else np.arange(len(a.d))
+    key = a.key_short if short else a.key_long
     # The session's daemon, when the client names a session and the prompt's cache is unknown:
     # in the PoP placement prefers (affinity is within a location, not across the world).
     sticky = None
     if features.affinity and features.prefix is None:
-        home = int(a.d_pop[sel[cost[sel].argmin()]])
+        home = a.d_pop_list[rtt.cheapest(key, 1)[0].item(0)]
         sticky = a.affinity_pick(features.affinity, home, cfg.load_eps)
-        if sticky is not None and sticky not in sel:
-            sel = np.append(sel, sticky)
-    n = len(sel)
-    pool_s, best_l, xfer = [math.inf] * n, [0] * n, None
-    if len(a.pool):
-        pool_compute = prompt * a.pool_inv  # [pool]
-        # Pages of all chunks but the last stream while later chunks compute.
-        link_s = net.kv_link_s(prompt * a.kv_bytes_per_token)
-        xfer = net.kv_exposed_s(link_s, pool_compute, prompt, cfg.prefill_chunk_tokens)  # far
-        ready = np.maximum(a.pool_end - t, 0.0)
-        ready += pool_compute
-        total = a.d_pool_far[sel] * xfer  # [n, pool]: RTT + transfer + queue + compute
-        total += a.d_pool_rtt[sel]
-        total += ready
-        best = total.argmin(axis=1)
-        pool_s, best_l = total.min(axis=1).tolist(), best.tolist()
+    # The D with the best network + static cost priced exactly, in one compiled pass.
+    priced = price_candidates(
+        a.d_xyz, key, a.d_measured, rtt.point, rtt.scale, rtt.fixed, rtt.use_measured,
+        cfg.decode_candidates, -1 if sticky is None else sticky, a.row_arr, a.d_pool_far,
+        a.d_pool_rtt, a.pool_end, a.pool_inv, net.kv_link_s(prompt * a.kv_bytes_per_token),
+        float(cfg.prefill_chunk_tokens), float(prompt), float(prompt + features.max_tokens), t,
+    ).tolist()  # fmt: skip
     # From here on: a handful of candidates, cheaper in plain Python than in numpy calls.
-    sel_l, net_l = sel.tolist(), net_s[sel].tolist()
-    d_rows = a.d_rows
-    need = prompt + features.max_tokens
-    scored, terms_l = [], []
-    # Conditional expressions rather than max()/min() calls: this loop is the hot spot.
-    for j, di in enumerate(sel_l):
-        free, wait, l_end, linv, lmax, c_end, cinv, pen, itl = d_rows[di]
-        lq = l_end - t if l_end > t else 0.0
-        local = lq + prompt * linv if prompt <= lmax else math.inf
-        colo = (c_end - t if c_end > t else 0.0) + prompt * cinv
-        best_prefill = local if local <= colo else colo
-        if pool_s[j] < best_prefill:
-            best_prefill = pool_s[j]
-        admit = 0.0 if free >= need else wait
-        if best_prefill < math.inf:
-            scored.append((net_l[j] + admit + pen + best_prefill, j))
-        terms_l.append((admit, local, colo, best_prefill, lq, linv, itl))
-    if not scored:
+    n = bisect.bisect_left(priced, [math.inf])  # by score: those that can prefill come first
+    if not n:
         return []
-    scored.sort()
-    order = [j for _, j in scored]
-    # Sorted, so the near-ties are a prefix.
-    ties = order[: bisect.bisect_right(scored, (scored[0][0] + cfg.near_tie_s, math.inf))]
-    within = scored[0][0] + cfg.affinity_slack_s
-    if (
-        sticky is not None
-        and (j := sel_l.index(sticky)) in order
-        and terms_l[j][-1] <= cfg.itl_slo_s
-        and any(score <= within for score, jj in scored if jj == j)
-    ):
+    order = list(range(n))
+    best = priced[0][SCORE]
+    ties = bisect.bisect_right(priced, [best + cfg.near_tie_s, math.inf], hi=n)
+    if sticky is not None and (
+        j := next((j for j in order if priced[j][ROW] == sticky), None)
+    ) is not None and priced[j][ITL] <= cfg.itl_slo_s and priced[j][SCORE] <= best + cfg.affinity_slack_s:  # fmt: skip
         order.remove(j)
         order.insert(0, j)
-    elif len(ties) >= 2:
+    elif ties >= 2:
         # Two distinct random picks without random.sample's overhead.
-        i = rng.randrange(len(ties))
-        i, j = ties[i], ties[(i + 1 + rng.randrange(len(ties) - 1)) % len(ties)]
-        order.remove(first := i if a.load[sel_l[i]] <= a.load[sel_l[j]] else j)
+        i = rng.randrange(ties)
+        j = (i + 1 + rng.randrange(ties - 1)) % ties
+        first = i if a.load[int(priced[i][ROW])] <= a.load[int(priced[j][ROW])] else j
+        order.remove(first)
         order.insert(0, first)
     out = []
     for j in order[:limit]:
-        di = sel_l[j]
-        admit, local, colo, best_prefill, queue, per_token, itl = terms_l[j]
+        _, row, net_s, admit, local, colo, best_prefill, queue, per_token, itl, member, kv = priced[
+            j
+        ]
+        di = int(row)
         prefill, kv_s = None, 0.0
         if local != best_prefill:
             if colo == best_prefill:
                 pi = a.colo[di]
             else:
-                pi = int(a.pool[best_l[j]])
-                rtt = a.d_pool_rtt.item(di, best_l[j])
-                kv_s = rtt + xfer.item(best_l[j]) if rtt > 0 and xfer is not None else 0.0
-            prefill, per_token = a.p[pi], a.p_inv.item(pi)
-            queue = max(a.p_end.item(pi) - t, 0.0)
+                pi = a.pool_list[int(member)]
+                kv_s = kv
+            prefill, per_token = a.p[pi], a.p_inv_l[pi]
+            queue = max(a.p_end_l[pi] - t, 0.0)
             if prefill.url == a.d[di].url:
                 prefill = None  # a `both` daemon chosen as its own prefill peer is local prefill
         compute = prompt * per_token
-        ttft = net_l[j] + admit + queue + compute + kv_s
-        terms = {"net_s": net_l[j], "admission_s": admit, "prefill_queue_s": queue,
+        ttft = net_s + admit + queue + compute + kv_s
+        terms = {"net_s": net_s, "admission_s": admit, "prefill_queue_s": queue,
                  "prefill_compute_s": compute, "kv_s": kv_s, "itl_s": itl}  # fmt: skip
         out.append(Placement(prefill, a.d[di], ttft, itl, itl <= cfg.itl_slo_s, terms))
     return out
@@ -206,19 +181,15 @@ def record_placement(
     )  # fmt: skip
 
 
-def _net_to_client(
+def _client_rtt(
     prep: Prepared, a: LoadArrays, net: NetworkModel, client: GeoPoint, here: str,
     here_point: GeoPoint | None,
-) -> FloatArray:  # fmt: skip
-    """RTT from the client to every D: the great-circle floor, or inside the router's own
-    catchment the RTT it measured to the daemon's PoP when that is larger."""
-    lat, lon = math.radians(client.lat), math.radians(client.lon)
-    xyz = (math.cos(lat) * math.cos(lon), math.cos(lat) * math.sin(lon), math.sin(lat))
-    net_s = net.rtt_floor_to_point_s(a.d_xyz, xyz)
+) -> ClientRtt:  # fmt: skip
+    """RTTs from the client to the decode daemons: the great-circle floor, or inside the
+    router's own catchment the RTT it measured to the daemon's PoP when that is larger."""
     h = prep.geo.xyz_of.get(here)
     if h is None and here_point is not None:
-        hl, hn = math.radians(here_point.lat), math.radians(here_point.lon)
-        h = (math.cos(hl) * math.cos(hn), math.cos(hl) * math.sin(hn), math.sin(hl))
-    if h is not None and h[0] * xyz[0] + h[1] * xyz[1] + h[2] * xyz[2] >= prep.catchment_dot:
-        net_s = np.maximum(net_s, a.d_measured)
-    return net_s
+        h = unit_vector(here_point.lat, here_point.lon)
+    xyz = unit_vector(client.lat, client.lon)
+    inside = h is not None and h[0] * xyz[0] + h[1] * xyz[1] + h[2] * xyz[2] >= prep.catchment_dot
+    return ClientRtt(a.d_xyz, a.d_measured, xyz, net, inside)
