@@ -17,6 +17,7 @@ import pytest
 from edgeinfer.router.candidate_cut import (
     ADMIT,
     ITL,
+    KEY_SHORT,
     NET,
     POOL_KV,
     POOLED,
@@ -28,7 +29,7 @@ from edgeinfer.router.candidate_cut import (
     price_candidates,
     unit_vector,
 )
-from edgeinfer.router.load_arrays import Row
+from edgeinfer.router.load_arrays import DState, PState, Row
 from edgeinfer.router.network import NetworkModel, unit_vectors
 
 MODEL = NetworkModel()
@@ -54,11 +55,16 @@ def world(seed: int, n: int, pool: int = 5) -> dict[str, np.ndarray]:
     rtt = MODEL.rtt_floor_from_dot_s(xyz @ unit_vectors(rng.uniform(-60, 70, pool),
                                                         rng.uniform(-180, 180, pool)).T)  # fmt: skip
     rtt[rng.random((n, pool)) < 0.2] = 0.0  # the member shares the daemon's PoP
+    d = np.zeros((n, len(Row) + len(DState)))
+    d[:, : len(Row)] = rows
+    d[:, DState.KEY_SHORT] = np.round(rng.uniform(0, 0.3, n), 2)  # rounded: equal keys
+    d[:, DState.X : DState.Z + 1] = xyz
+    d[:, DState.MEASURED_RTT_S] = np.where(rng.random(n) < 0.5, rng.uniform(0, 0.3, n), 0.0)
+    state = np.stack((rng.uniform(0, 3, pool), rng.uniform(5e-5, 2e-4, pool)), axis=1)
     return {
-        "xyz": xyz, "key": np.round(rng.uniform(0, 0.3, n), 2),  # rounded: equal keys
-        "measured": np.where(rng.random(n) < 0.5, rng.uniform(0, 0.3, n), 0.0), "rows": rows,
-        "pool_rtt": rtt, "far": (rtt > 0).astype(np.float64),
-        "pool_end": rng.uniform(0, 3, pool), "pool_inv": rng.uniform(5e-5, 2e-4, pool),
+        "d": d, "xyz": xyz, "key": d[:, DState.KEY_SHORT], "measured": d[:, DState.MEASURED_RTT_S],
+        "rows": rows, "pool_rtt": rtt, "far": (rtt > 0).astype(np.float64), "pool_state": state,
+        "pool_end": state[:, PState.END], "pool_inv": state[:, PState.S_PER_TOKEN],
     }  # fmt: skip
 
 
@@ -74,9 +80,9 @@ def test_cheapest_is_the_full_ranking(seed: int, inside: bool) -> None:
     w = world(seed, n)
     rng = np.random.default_rng(1000 + seed)
     lat, lon = float(rng.uniform(-89, 89)), float(rng.uniform(-180, 180))
-    c = ClientRtt(w["xyz"], w["measured"], unit_vector(lat, lon), MODEL, inside)
+    c = ClientRtt(w["d"], unit_vector(lat, lon), MODEL, inside)
     for k in (1, 8, 16):
-        sel, rtt = c.cheapest(w["key"], k)
+        sel, rtt = c.cheapest(KEY_SHORT, k)
         ref = numpy_rtt(w, lat, lon, inside)
         cost = ref + w["key"]
         assert len(sel) == min(k, n)
@@ -85,20 +91,23 @@ def test_cheapest_is_the_full_ranking(seed: int, inside: bool) -> None:
         np.testing.assert_allclose(cost[sel], np.sort(cost)[: len(sel)], rtol=1e-12, atol=1e-15)
         assert len(set(sel.tolist())) == len(sel)
     # Any row asked for alone gets the figure the pass gives it.
-    fresh = ClientRtt(w["xyz"], w["measured"], unit_vector(lat, lon), MODEL, inside)
+    fresh = ClientRtt(w["d"], unit_vector(lat, lon), MODEL, inside)
     for i in range(n):
         assert fresh(i) == pytest.approx(ref[i], rel=1e-12, abs=1e-15)
-    sel, rtt = fresh.cheapest(w["key"], n)
+    sel, rtt = fresh.cheapest(KEY_SHORT, n)
     assert [fresh(i) for i in sel.tolist()] == rtt
 
 
 def test_a_client_on_a_daemon_is_not_skipped() -> None:
     """A chord equal to its arc rounds a hair either way: a daemon where the client stands
     still makes the cut against one a hair further with the same key."""
-    xyz = unit_vectors(np.array([48.8566, 48.8566, 10.0]), np.array([2.3522, 2.35221, 0.0]))
-    key = np.zeros(3)
-    point = ClientRtt(xyz, key, unit_vector(48.8566, 2.3522), MODEL, False).point
-    sel, rtt = cheapest(xyz, key, key, point, MODEL.s_per_radian, MODEL.fixed_rtt_s, False, 1)
+    d = np.zeros((3, len(Row) + len(DState)))
+    d[:, DState.X : DState.Z + 1] = unit_vectors(
+        np.array([48.8566, 48.8566, 10.0]), np.array([2.3522, 2.35221, 0.0])
+    )
+    point = ClientRtt(d, unit_vector(48.8566, 2.3522), MODEL, False).point
+    sel, rtt = cheapest(d, KEY_SHORT, *point, MODEL.s_per_radian, MODEL.fixed_rtt_s,
+                        False, 1)  # fmt: skip
     assert sel.tolist() == [0]
     assert rtt[0] == pytest.approx(MODEL.fixed_rtt_s, abs=1e-6)  # the point shrunk: 9 metres
 
@@ -140,15 +149,14 @@ def test_price_candidates_prices_as_the_network_model(seed: int) -> None:
     lat, lon = float(rng.uniform(-60, 70)), float(rng.uniform(-180, 180))
     prompt = float(rng.choice([40, 600, 3000, 20_000]))
     need, t, k = prompt + 256, 1.0, 8
-    c = ClientRtt(w["xyz"], w["measured"], unit_vector(lat, lon), MODEL, True)
+    c = ClientRtt(w["d"], unit_vector(lat, lon), MODEL, True)
     extra = int(rng.integers(0, n))
     got = price_candidates(
-        w["xyz"], w["key"], w["measured"], c.point, c.scale, c.fixed, True, k, extra, w["rows"],
-        w["far"], w["pool_rtt"], w["pool_end"], w["pool_inv"],
-        MODEL.kv_link_s(prompt * 131_072), 2048.0, prompt, need, t,
+        w["d"], KEY_SHORT, w["pool_state"], w["pool_rtt"], *c.point, c.scale, c.fixed,
+        True, k, extra, MODEL.kv_link_s(prompt * 131_072), 2048.0, prompt, need, t,
     )  # fmt: skip
     rtt = numpy_rtt(w, lat, lon, True)
-    cut = c.cheapest(w["key"], k)[0].tolist()
+    cut = c.cheapest(KEY_SHORT, k)[0].tolist()
     rows_at = cut + ([] if extra in cut else [extra])
     assert sorted(got[:, ROW].astype(int).tolist()) == sorted(rows_at)
     ref = {r[1]: r for r in reference_prices(w, rtt, rows_at, prompt, need, t)}

@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import njit
 
-from edgeinfer.router.load_arrays import Row
+from edgeinfer.router.load_arrays import DState, PState, Row
 from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
 
 # A chord equal to its arc (a daemon where the client is) may round a hair above the exact
@@ -32,33 +32,44 @@ from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
 _SLACK_S = 1e-9
 
 
+# Row's and DState's fields as plain ints, constants to the compiler.
+_FREE, _WAIT, _L_END, _L_SPT = (int(Row.FREE_TOKENS), int(Row.ADMIT_WAIT_S), int(Row.LOCAL_END),
+                                int(Row.LOCAL_S_PER_TOKEN))  # fmt: skip
+_L_MAX, _C_END, _C_SPT = int(Row.LOCAL_MAX_TOKENS), int(Row.COLO_END), int(Row.COLO_S_PER_TOKEN)
+_PENALTY, _ITL = int(Row.PENALTY), int(Row.ITL_S)
+_X, _Y, _Z, _MEASURED = int(DState.X), int(DState.Y), int(DState.Z), int(DState.MEASURED_RTT_S)
+_P_END, _P_SPT = int(PState.END), int(PState.S_PER_TOKEN)
+# The pruning keys' columns, as the passes take them: an IntEnum argument costs the compiled
+# function's dispatcher ~25 us to type, an int a fraction of one.
+KEY_SHORT, KEY_LONG = int(DState.KEY_SHORT), int(DState.KEY_LONG)
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def cheapest(
-    xyz: FloatArray, key: FloatArray, measured: FloatArray, point: FloatArray, scale: float,
-    fixed: float, use_measured: bool, k: int,
+    d: FloatArray, key: int, px: float, py: float, pz: float, scale: float, fixed: float,
+    use_measured: bool, k: int,
 ) -> tuple[IntArray, FloatArray]:  # fmt: skip
-    """Rows of the ``min(k, len(xyz))`` daemons with the least ``RTT floor + key``, cheapest
-    first (ties: the lower row), and their RTTs. ``xyz`` [D, 3] unit vectors, ``point`` [3] the
-    client's; ``measured`` [D] the RTT measured to each daemon's PoP (0: none)."""
-    n = xyz.shape[0]
+    """Rows of the ``min(k, len(d))`` daemons with the least ``RTT floor + d[:, key]``,
+    cheapest first (ties: the lower row), and their RTTs. ``d`` is ``LoadArrays.d_state``
+    [D, DState]; (``px``, ``py``, ``pz``) the client's unit vector, shrunk (ClientRtt)."""
+    n = d.shape[0]
     k = min(k, n)
     sel = np.empty(k, np.int64)
     rtt = np.empty(k, np.float64)
     cost = np.empty(k, np.float64)
-    px, py, pz = point[0], point[1], point[2]
     m = 0
     for i in range(n):
-        dot = xyz[i, 0] * px + xyz[i, 1] * py + xyz[i, 2] * pz
+        dot = d[i, _X] * px + d[i, _Y] * py + d[i, _Z] * pz
         dot = min(max(dot, -1.0), 1.0)
         if m == k:
             chord = 2.0 - 2.0 * dot
-            bound = key[i] + fixed + math.sqrt(chord if chord > 0.0 else 0.0) * scale
+            bound = d[i, key] + fixed + math.sqrt(chord if chord > 0.0 else 0.0) * scale
             if bound - _SLACK_S >= cost[k - 1]:
                 continue
         r = math.acos(dot) * scale + fixed
-        if use_measured and measured[i] > r:
-            r = measured[i]
-        c = key[i] + r
+        if use_measured and d[i, _MEASURED] > r:
+            r = d[i, _MEASURED]
+        c = d[i, key] + r
         if m == k and c >= cost[k - 1]:
             continue
         j = m if m < k else k - 1
@@ -71,12 +82,6 @@ def cheapest(
     return sel, rtt
 
 
-# Row's fields as plain ints, constants to the compiler.
-_FREE, _WAIT, _L_END, _L_SPT = (int(Row.FREE_TOKENS), int(Row.ADMIT_WAIT_S), int(Row.LOCAL_END),
-                                int(Row.LOCAL_S_PER_TOKEN))  # fmt: skip
-_L_MAX, _C_END, _C_SPT = int(Row.LOCAL_MAX_TOKENS), int(Row.COLO_END), int(Row.COLO_S_PER_TOKEN)
-_PENALTY, _ITL = int(Row.PENALTY), int(Row.ITL_S)
-
 # Columns of price_candidates' answer, one row per candidate.
 _COLUMNS = 12
 SCORE, ROW, NET, ADMIT, LOCAL, COLO, PREFILL, LOCAL_QUEUE, LOCAL_SPT, ITL, POOLED, POOL_KV = range(
@@ -86,10 +91,9 @@ SCORE, ROW, NET, ADMIT, LOCAL, COLO, PREFILL, LOCAL_QUEUE, LOCAL_SPT, ITL, POOLE
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def price_candidates(
-    xyz: FloatArray, key: FloatArray, measured: FloatArray, point: FloatArray, scale: float,
-    fixed: float, use_measured: bool, k: int, extra: int, rows: FloatArray, far: FloatArray,
-    pool_rtt: FloatArray, pool_end: FloatArray, pool_inv: FloatArray, link_s: float,
-    chunk: float, prompt: float, need: float, t: float,
+    d: FloatArray, key: int, pool: FloatArray, pool_rtt: FloatArray, px: float, py: float,
+    pz: float, scale: float, fixed: float, use_measured: bool, k: int, extra: int,
+    link_s: float, chunk: float, prompt: float, need: float, t: float,
 ) -> FloatArray:  # fmt: skip
     """The prefix-blind decision's numbers: the ``k`` cheapest decode rows (:func:`cheapest`)
     and row ``extra`` (-1: none) priced exactly, one answer row each, by score (ties in cut
@@ -97,21 +101,21 @@ def price_candidates(
     the pool (the member's RTT and the transfer not hidden behind its compute when the pages
     travel, its queue left at ``t``, ``prompt`` tokens at its rate), admission for ``need``
     KV tokens, and the score ``net + admission + SLO penalty + prefill`` (inf: it cannot
-    prefill). ``rows`` [D, len(Row)] in :class:`~edgeinfer.router.load_arrays.Row`'s order,
-    ``far``/``pool_rtt`` [D, pool] and ``pool_end``/``pool_inv`` [pool] as ``LoadArrays``
-    keeps them; ``link_s`` the prompt's pages on an inter-PoP link."""
-    sel, rtt = cheapest(xyz, key, measured, point, scale, fixed, use_measured, k)
+    prefill). ``pool`` [pool, PState] and ``pool_rtt`` [D, pool] (0: same PoP, no transfer)
+    as ``LoadArrays`` keeps them; ``link_s`` the prompt's pages on an inter-PoP link."""
+    sel, rtt = cheapest(d, key, px, py, pz, scale, fixed, use_measured, k)
     n = sel.shape[0]
     for j in range(n):
         if sel[j] == extra:
             extra = -1
+    r = 0.0
     if extra >= 0:
-        dot = xyz[extra, 0] * point[0] + xyz[extra, 1] * point[1] + xyz[extra, 2] * point[2]
+        dot = d[extra, _X] * px + d[extra, _Y] * py + d[extra, _Z] * pz
         r = math.acos(min(max(dot, -1.0), 1.0)) * scale + fixed
-        if use_measured and measured[extra] > r:
-            r = measured[extra]
+        if use_measured and d[extra, _MEASURED] > r:
+            r = d[extra, _MEASURED]
         n += 1
-    q = pool_end.shape[0]
+    q = pool.shape[0]
     # Of each pool member: its queue left plus this prompt, and the transfer its pages leave
     # exposed (NetworkModel.kv_exposed_s: pages of all chunks but the last stream while later
     # chunks compute).
@@ -119,8 +123,8 @@ def price_candidates(
     xfer = np.empty(q, np.float64)
     last_share = 1.0 if prompt <= chunk else chunk / prompt
     for b in range(q):
-        wait = pool_end[b] - t
-        compute = prompt * pool_inv[b]
+        wait = pool[b, _P_END] - t
+        compute = prompt * pool[b, _P_SPT]
         ready[b] = (wait if wait > 0.0 else 0.0) + compute
         xfer[b] = max(link_s - compute, link_s * last_share)
     out = np.empty((n, _COLUMNS), np.float64)
@@ -131,13 +135,13 @@ def price_candidates(
             i, r_j = extra, r
         pooled, member, pool_kv = math.inf, -1, 0.0
         for b in range(q):
-            kv = far[i, b] * xfer[b] + pool_rtt[i, b]
+            hop = pool_rtt[i, b]
+            kv = xfer[b] + hop if hop > 0.0 else 0.0
             v = kv + ready[b]
             if v < pooled:
                 pooled, member, pool_kv = v, b, kv
-        free, wait, l_end, l_inv = rows[i, _FREE], rows[i, _WAIT], rows[i, _L_END], rows[i, _L_SPT]
-        l_max, c_end, c_inv = rows[i, _L_MAX], rows[i, _C_END], rows[i, _C_SPT]
-        penalty = rows[i, _PENALTY]
+        free, wait, l_end, l_inv = d[i, _FREE], d[i, _WAIT], d[i, _L_END], d[i, _L_SPT]
+        l_max, c_end, c_inv, penalty = d[i, _L_MAX], d[i, _C_END], d[i, _C_SPT], d[i, _PENALTY]
         lq = l_end - t if l_end > t else 0.0
         local = lq + prompt * l_inv if prompt <= l_max else math.inf
         colo = (c_end - t if c_end > t else 0.0) + prompt * c_inv
@@ -159,7 +163,7 @@ def price_candidates(
             best,
             lq,
         )
-        out[at, LOCAL_SPT], out[at, ITL], out[at, POOLED] = l_inv, rows[i, _ITL], member
+        out[at, LOCAL_SPT], out[at, ITL], out[at, POOLED] = l_inv, d[i, _ITL], member
         out[at, POOL_KV] = pool_kv
     return out
 
@@ -179,22 +183,24 @@ class ClientRtt:
     to a daemon's PoP counts when it is larger than the floor."""
 
     def __init__(
-        self, xyz: FloatArray, measured: FloatArray, client: tuple[float, float, float],
-        net: NetworkModel, use_measured: bool,
+        self, d_state: FloatArray, client: tuple[float, float, float], net: NetworkModel,
+        use_measured: bool,
     ) -> None:  # fmt: skip
-        """``client``: the client's unit vector (:func:`unit_vector`)."""
+        """``d_state``: ``LoadArrays.d_state``; ``client``: the client's unit vector
+        (:func:`unit_vector`)."""
         # Shrunk a hair, so that every dot product with a unit vector is inside [-1, 1]
         # (acos(1 - 1e-12) is 9 metres), as NetworkModel.rtt_floor_to_point_s does.
         s = 1.0 - 1e-12
-        self.point = np.array((client[0] * s, client[1] * s, client[2] * s))
-        self.xyz, self.measured, self.use_measured = xyz, measured, use_measured
+        self.point = (client[0] * s, client[1] * s, client[2] * s)
+        self.d, self.use_measured = d_state, use_measured
         self.scale, self.fixed = net.s_per_radian, net.fixed_rtt_s
         self.known: dict[int, float] = {}
 
-    def cheapest(self, key: FloatArray, k: int) -> tuple[IntArray, list[float]]:
-        """:func:`cheapest` for this client: rows and their RTTs, cheapest first."""
-        sel, rtt = cheapest(self.xyz, key, self.measured, self.point, self.scale, self.fixed,
-                            self.use_measured, k)  # fmt: skip
+    def cheapest(self, key: int, k: int) -> tuple[IntArray, list[float]]:
+        """:func:`cheapest` for this client by ``d_state`` column ``key``: rows and their
+        RTTs, cheapest first."""
+        sel, rtt = cheapest(self.d, key, *self.point, self.scale, self.fixed, self.use_measured,
+                            k)  # fmt: skip
         rtt_l = rtt.tolist()
         self.known.update(zip(sel.tolist(), rtt_l))
         return sel, rtt_l
@@ -203,20 +209,18 @@ class ClientRtt:
         """Row ``i``'s RTT (the same figure :func:`cheapest` gives for it)."""
         r = self.known.get(i)
         if r is None:
-            p = self.point
-            dot = (self.xyz.item(i, 0) * p.item(0) + self.xyz.item(i, 1) * p.item(1)
-                   + self.xyz.item(i, 2) * p.item(2))  # fmt: skip
+            (px, py, pz), d = self.point, self.d
+            dot = d.item(i, _X) * px + d.item(i, _Y) * py + d.item(i, _Z) * pz
             r = math.acos(min(max(dot, -1.0), 1.0)) * self.scale + self.fixed
-            if self.use_measured and self.measured.item(i) > r:
-                r = self.measured.item(i)
+            if self.use_measured and d.item(i, _MEASURED) > r:
+                r = d.item(i, _MEASURED)
             self.known[i] = r
         return r
 
 
 def warm() -> None:
     """Compile (or load from the disk cache) the passes before the first request needs them."""
-    xyz = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-    zeros, point = np.zeros(2), np.array([1.0, 0.0, 0.0])
-    price_candidates(xyz, zeros, zeros, point, 1.0, 0.0, True, 1, 1, np.zeros((2, len(Row))),
-                     np.zeros((2, 1)), np.zeros((2, 1)), np.zeros(1), np.ones(1), 0.0, 1.0,
-                     1.0, 1.0, 0.0)  # fmt: skip
+    d = np.zeros((2, len(Row) + len(DState)))
+    d[0, _X] = d[1, _Y] = 1.0
+    price_candidates(d, KEY_SHORT, np.ones((1, len(PState))), np.zeros((2, 1)), 1.0,
+                     0.0, 0.0, 1.0, 0.0, True, 1, 1, 0.0, 1.0, 1.0, 1.0, 0.0)  # fmt: skip

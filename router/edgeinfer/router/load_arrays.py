@@ -85,6 +85,22 @@ class Row(IntEnum):
     ITL_S = 8
 
 
+class DState(IntEnum):
+    """Columns of ``LoadArrays.d_state`` past the Row fields: what the compiled decision
+    reads of each D in one array (:mod:`edgeinfer.router.candidate_cut`)."""
+
+    KEY_SHORT = len(Row)  # pruning keys, see _keys
+    KEY_LONG = len(Row) + 1
+    X, Y, Z = len(Row) + 2, len(Row) + 3, len(Row) + 4  # the PoP's unit vector
+    MEASURED_RTT_S = len(Row) + 5  # the router's RTT to the PoP, 0: none
+
+
+class PState(IntEnum):
+    """Columns of ``LoadArrays.pool_state``, one row per pool member."""
+
+    END, S_PER_TOKEN = range(2)
+
+
 class LoadArrays:
     """Per-snapshot, per-model load of the available daemons; ``d_*`` has one entry per
     decode-capable daemon, ``p_*`` per daemon that can prefill for others."""
@@ -176,10 +192,15 @@ class LoadArrays:
         self.measured = [x > 0 for x in cols[DCol.MEASURED]]
         self.d_pop: IntArray = dm[:, DCol.POP].astype(np.intp)
         self.d_pop_list: list[int] = self.d_pop.tolist()
-        self.d_xyz: FloatArray = geo.xyz[self.d_pop].reshape(len(d), 3)
-        self.d_measured: FloatArray = dm[
-            :, DCol.RTT_S
-        ].copy()  # RTT EWMA to the daemon's PoP, 0: none
+        # Per D, one row of what a decision reads (DState); the names below are views of it.
+        self.d_state: FloatArray = np.zeros((len(d), len(Row) + len(DState)))
+        self.row_arr: FloatArray = self.d_state[:, : len(Row)]  # Row's fields
+        self.key_short: FloatArray = self.d_state[:, DState.KEY_SHORT]
+        self.key_long: FloatArray = self.d_state[:, DState.KEY_LONG]
+        self.d_xyz: FloatArray = self.d_state[:, DState.X : DState.Z + 1]
+        self.d_xyz[:] = geo.xyz[self.d_pop].reshape(len(d), 3)
+        self.d_measured: FloatArray = self.d_state[:, DState.MEASURED_RTT_S]
+        self.d_measured[:] = dm[:, DCol.RTT_S]  # RTT EWMA to the daemon's PoP, 0: none
         self.p_inv: FloatArray = 1.0 / pm[:, PCol.RATE]
         self.p_inv_mean = float(self.p_inv.mean()) if len(p) else 0.0
         p_end = (
@@ -197,10 +218,10 @@ class LoadArrays:
         self.pooled_short = self.pooled_long = math.inf
         self.pool: IntArray  # indices into p of the cheapest prefill daemons (module doc)
         self.pool_at: dict[int, int]  # index into p -> position in the pool
-        self.pool_inv: FloatArray  # [pool] p_inv of the pool, gathered once
-        self.pool_end: FloatArray  # [pool] p_end of the pool, kept current with p_end
-        self.d_pool_rtt: FloatArray  # [D, pool] RTT, 0 within a PoP
-        self.d_pool_far: FloatArray  # [D, pool] 1.0 where the pages must travel, else 0.0
+        self.pool_state: FloatArray  # [pool, PState] the pool's p_end (kept current) and p_inv
+        self.pool_inv: FloatArray  # [pool] views of pool_state's columns
+        self.pool_end: FloatArray
+        self.d_pool_rtt: FloatArray  # [D, pool] RTT, 0 within a PoP (no transfer)
         self._choose(t)
 
     def _choose(self, t: float) -> None:
@@ -266,7 +287,7 @@ class LoadArrays:
                 itl)  # fmt: skip
         # Rows as an array (the compiled decision's) and as Python tuples (the prefix path
         # reads a few dozen); a placement rewrites one or two of each.
-        self.row_arr: FloatArray = np.stack(cols, axis=1).reshape(len(self.d), len(Row))
+        self.row_arr[:] = np.stack(cols, axis=1).reshape(len(self.d), len(Row))
         self.d_rows: list[tuple[float, ...]] = list(map(tuple, self.row_arr.tolist()))
         self.load = (running + waiting).tolist()  # for the power-of-two choice
         # Their total, kept with them (the load guard's mean): loads are counts, sums exact.
@@ -322,8 +343,8 @@ class LoadArrays:
     def _keys(self) -> None:
         """Pruning keys without the network: a lower bound of each D's cost for a short and a
         long prompt (SLO penalty, admission, cheapest prefill of its own, co-located or pooled)."""
-        self.key_short = self.d_static + np.minimum(self.own_short, self.pooled_short)
-        self.key_long = self.d_static + np.minimum(self.own_long, self.pooled_long)
+        self.key_short[:] = self.d_static + np.minimum(self.own_short, self.pooled_short)
+        self.key_long[:] = self.d_static + np.minimum(self.own_long, self.pooled_long)
 
     def _rank_pool(self, t: float) -> None:
         cfg, k = self.cfg, self.cfg.prefill_pool
@@ -333,10 +354,10 @@ class LoadArrays:
         self.pool = np.unique(np.concatenate(ranked)).astype(np.intp)
         self.pool_list: list[int] = self.pool.tolist()
         self.pool_at = {j: k for k, j in enumerate(self.pool.tolist())}
-        self.pool_inv = self.p_inv[self.pool]
-        self.pool_end = self.p_end[self.pool]
+        self.pool_state = np.stack((self.p_end[self.pool], self.p_inv[self.pool]), axis=1)
+        self.pool_end = self.pool_state[:, PState.END]
+        self.pool_inv = self.pool_state[:, PState.S_PER_TOKEN]
         self.d_pool_rtt = self.geo.rtt[:, self.p_pop[self.pool]][self.d_pop]
-        self.d_pool_far = (self.d_pool_rtt > 0).astype(np.float64)
         self._pooled(t)
 
     def _pooled(self, t: float) -> bool:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgeinfer.router.candidate_cut import ClientRtt
+from edgeinfer.router.candidate_cut import KEY_LONG, KEY_SHORT, ClientRtt
 from edgeinfer.router.load_arrays import LoadArrays, Row
 from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.placement import Placement, PlacementConfig, RequestFeatures
@@ -59,7 +59,7 @@ def select_with_prefix(
         return None
     prompt = max(1, features.prompt_tokens)
     k, eps = cfg.decode_candidates, cfg.load_eps
-    key = a.key_short if prompt <= cfg.short_prompt_tokens else a.key_long
+    key = KEY_SHORT if prompt <= cfg.short_prompt_tokens else KEY_LONG
     # The load guard's bounds (prefix_scoring.under_bound) as scalars: only the candidates'
     # loads are compared with them.
     load, p_end_l = a.load, a.p_end_l

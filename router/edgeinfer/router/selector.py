@@ -49,6 +49,8 @@ from collections.abc import Sequence
 
 from edgeinfer.router.candidate_cut import (
     ITL,
+    KEY_LONG,
+    KEY_SHORT,
     ROW,
     SCORE,
     ClientRtt,
@@ -103,7 +105,7 @@ def select(
             return placed
     prompt = max(1, features.prompt_tokens)
     short = prompt <= cfg.short_prompt_tokens
-    key = a.key_short if short else a.key_long
+    key = KEY_SHORT if short else KEY_LONG
     # The session's daemon, when the client names a session and the prompt's cache is unknown:
     # in the PoP placement prefers (affinity is within a location, not across the world).
     sticky = None
@@ -111,11 +113,12 @@ def select(
         home = a.d_pop_list[rtt.cheapest(key, 1)[0].item(0)]
         sticky = a.affinity_pick(features.affinity, home, cfg.load_eps)
     # The D with the best network + static cost priced exactly, in one compiled pass.
+    px, py, pz = rtt.point
     priced = price_candidates(
-        a.d_xyz, key, a.d_measured, rtt.point, rtt.scale, rtt.fixed, rtt.use_measured,
-        cfg.decode_candidates, -1 if sticky is None else sticky, a.row_arr, a.d_pool_far,
-        a.d_pool_rtt, a.pool_end, a.pool_inv, net.kv_link_s(prompt * a.kv_bytes_per_token),
-        float(cfg.prefill_chunk_tokens), float(prompt), float(prompt + features.max_tokens), t,
+        a.d_state, key, a.pool_state, a.d_pool_rtt, px, py, pz, rtt.scale, rtt.fixed,
+        rtt.use_measured, cfg.decode_candidates, -1 if sticky is None else sticky,
+        net.kv_link_s(prompt * a.kv_bytes_per_token), float(cfg.prefill_chunk_tokens),
+        float(prompt), float(prompt + features.max_tokens), t,
     ).tolist()  # fmt: skip
     # From here on: a handful of candidates, cheaper in plain Python than in numpy calls.
     n = bisect.bisect_left(priced, [math.inf])  # by score: those that can prefill come first
@@ -192,4 +195,4 @@ def _client_rtt(
         h = unit_vector(here_point.lat, here_point.lon)
     xyz = unit_vector(client.lat, client.lon)
     inside = h is not None and h[0] * xyz[0] + h[1] * xyz[1] + h[2] * xyz[2] >= prep.catchment_dot
-    return ClientRtt(a.d_xyz, a.d_measured, xyz, net, inside)
+    return ClientRtt(a.d_state, xyz, net, inside)
