@@ -110,6 +110,8 @@ class LoadArrays:
         pending: PlacementLedger | None, now: float | None,
     ) -> None:  # fmt: skip
         self.cfg, self.geo, self.model = cfg, geo, model
+        # The pruning keys' reference prompts: short, and four prefill chunks.
+        self._ns, self._nl = cfg.short_prompt_tokens, 4 * cfg.prefill_chunk_tokens
         self.pending = pending  # read at decision time too: recent placements break ties
         self.version = pending.version if pending is not None else 0
         self.built_at = now  # the full build's clock (None: no clock), see REBUILD_S
@@ -312,20 +314,21 @@ class LoadArrays:
             colo_q = colo_end - t if colo_end > t else 0.0
         else:
             colo_end, colo_inv, colo_q = math.inf, 0.0, math.inf
-        ns, nl = cfg.short_prompt_tokens, 4 * cfg.prefill_chunk_tokens
-        own_short = min(
-            local_q + ns * local_inv if ns <= local_max else math.inf, colo_q + ns * colo_inv
-        )
-        own_long = min(
-            local_q + nl * local_inv if nl <= local_max else math.inf, colo_q + nl * colo_inv
-        )
+        ns, nl = self._ns, self._nl
+        own_short = local_q + ns * local_inv if ns <= local_max else math.inf
+        if colo_q + ns * colo_inv < own_short:
+            own_short = colo_q + ns * colo_inv
+        own_long = local_q + nl * local_inv if nl <= local_max else math.inf
+        if colo_q + nl * colo_inv < own_long:
+            own_long = colo_q + nl * colo_inv
         self.d_static[i], self.own_short[i], self.own_long[i] = static, own_short, own_long
         pooled_short, pooled_long = self.pooled_short, self.pooled_long
-        self.key_short[i] = static + (own_short if own_short < pooled_short else pooled_short)
-        self.key_long[i] = static + (own_long if own_long < pooled_long else pooled_long)
         self.d_rows[i] = row = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv,
                                 local_max, colo_end, colo_inv, penalty, itl)  # fmt: skip
-        self.row_arr[i] = row
+        # The row and both keys (DState's first columns) in one write.
+        self.d_state[i, : DState.KEY_LONG + 1] = (*row,
+            static + (own_short if own_short < pooled_short else pooled_short),
+            static + (own_long if own_long < pooled_long else pooled_long))  # fmt: skip
         self.load_sum += running + waiting - self.load[i]
         self.load[i] = running + waiting
 

@@ -113,9 +113,9 @@ def select(
         home = a.d_pop_list[rtt.cheapest(key, 1)[0].item(0)]
         sticky = a.affinity_pick(features.affinity, home, cfg.load_eps)
     # The D with the best network + static cost priced exactly, in one compiled pass.
-    px, py, pz = rtt.point
+    cx, cy, cz = rtt.point
     priced = price_candidates(
-        a.d_state, key, a.pool_state, a.d_pool_rtt, px, py, pz, rtt.scale, rtt.fixed,
+        a.d_state, key, a.pool_state, a.d_pool_rtt, cx, cy, cz, rtt.scale, rtt.fixed,
         rtt.use_measured, cfg.decode_candidates, -1 if sticky is None else sticky,
         net.kv_link_s(prompt * a.kv_bytes_per_token), float(cfg.prefill_chunk_tokens),
         float(prompt), float(prompt + features.max_tokens), t,
