@@ -29,7 +29,7 @@ from edgeinfer.router.candidate_cut import (
     price_candidates,
     unit_vector,
 )
-from edgeinfer.router.load_arrays import DState, PState, Row
+from edgeinfer.router.load_columns import DState, PState, Row
 from edgeinfer.router.network import NetworkModel, unit_vectors
 
 MODEL = NetworkModel()

@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import njit
 
-from edgeinfer.router.load_arrays import DState, PState, Row
+from edgeinfer.router.load_columns import DState, PState, Row
 from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
 
 # A chord equal to its arc (a daemon where the client is) may round a hair above the exact

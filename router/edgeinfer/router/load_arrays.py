@@ -26,6 +26,11 @@ prefill daemon is in the pool); between, they are priced as placements load them
 daemon outside them that has become the cheaper one waits for the next snapshot. The pruning
 keys are exact for the rows a placement touched and lower bounds elsewhere.
 
+What a decision reads of each decode daemon (its row, both keys, its PoP's unit vector and
+measured RTT) is one row of ``d_state`` (``DState``), and of the pool ``pool_state``
+(``PState``): the compiled decision (:mod:`edgeinfer.router.candidate_cut`) takes three arrays,
+not a dozen, and a placement rewrites a row in one assignment.
+
 Most snapshots differ from the one before only in the load a few daemons reported (the
 registry's ``Snapshot.base`` and ``changed``): then the arrays are carried over instead of built
 again: the journal of placements is applied, the raw load of the daemons that reported is read
@@ -39,11 +44,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from enum import IntEnum
 
 import numpy as np
 
 from edgeinfer.router.inflight import Change, PlacementLedger
+from edgeinfer.router.load_columns import DCol, DState, PCol, PState, Row
 from edgeinfer.router.network import (
     FloatArray,
     IntArray,
@@ -56,49 +61,6 @@ from edgeinfer.router.session_affinity import AffinityRing
 BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
 # Carried arrays are built afresh after this long (seconds on the registry's clock).
 REBUILD_S = 1.0
-
-
-class DCol(IntEnum):
-    """Columns of the per-snapshot decode-daemon matrix (one row per D)."""
-
-    RUNNING, WAITING, FREE_TOKENS, PREFILL_RATE, DECODE_RATE, QUEUED_PREFILL = range(6)
-    PENDING_PREFILL_S, REPORTED_AT, RTT_S, ITL_P50_S, LOCAL_MAX_TOKENS, POP, MEASURED = range(6, 13)
-
-
-class PCol(IntEnum):
-    """Columns of the per-snapshot prefill-daemon matrix (one row per P)."""
-
-    RATE, QUEUED_PREFILL, PENDING_PREFILL_S, REPORTED_AT, POP = range(5)
-
-
-class Row(IntEnum):
-    """Fields of a decode daemon's row (``LoadArrays.d_rows``), what a decision reads."""
-
-    FREE_TOKENS = 0  # -1 when requests wait
-    ADMIT_WAIT_S = 1
-    LOCAL_END = 2  # when its own prefill queue ends
-    LOCAL_S_PER_TOKEN = 3
-    LOCAL_MAX_TOKENS = 4  # the longest prompt (suffix) it prefills itself: inf for a `both`
-    COLO_END = 5  # its co-located prefill peer's queue end (inf: none)
-    COLO_S_PER_TOKEN = 6
-    PENALTY = 7  # 0, or BIG + itl over the SLO
-    ITL_S = 8
-
-
-class DState(IntEnum):
-    """Columns of ``LoadArrays.d_state`` past the Row fields: what the compiled decision
-    reads of each D in one array (:mod:`edgeinfer.router.candidate_cut`)."""
-
-    KEY_SHORT = len(Row)  # pruning keys, see _keys
-    KEY_LONG = len(Row) + 1
-    X, Y, Z = len(Row) + 2, len(Row) + 3, len(Row) + 4  # the PoP's unit vector
-    MEASURED_RTT_S = len(Row) + 5  # the router's RTT to the PoP, 0: none
-
-
-class PState(IntEnum):
-    """Columns of ``LoadArrays.pool_state``, one row per pool member."""
-
-    END, S_PER_TOKEN = range(2)
 
 
 class LoadArrays:

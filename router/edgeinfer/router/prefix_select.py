@@ -29,7 +29,8 @@ from collections.abc import Callable
 import numpy as np
 
 from edgeinfer.router.candidate_cut import KEY_LONG, KEY_SHORT, ClientRtt
-from edgeinfer.router.load_arrays import LoadArrays, Row
+from edgeinfer.router.load_arrays import LoadArrays
+from edgeinfer.router.load_columns import Row
 from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.placement import Placement, PlacementConfig, RequestFeatures
 from edgeinfer.router.prefix_pairs import Candidates, choose

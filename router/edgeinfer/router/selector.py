@@ -36,8 +36,9 @@ Speed: arrays of every daemon's load are built once per registry snapshot (the r
 the same list object until something changes; PoP geometry is kept until a reload) and updated
 row by row per placement (:mod:`edgeinfer.router.load_arrays`). A decision
 ranks every D by network RTT plus a static key (SLO penalty, admission, cheapest prefill for a
-reference prompt), keeps the ``decode_candidates`` best and prices those exactly: the prefill
-pool in one small numpy matrix, the rest in plain Python.
+reference prompt), keeps the ``decode_candidates`` best and prices those exactly, all in one
+compiled pass (:mod:`edgeinfer.router.candidate_cut`); the near-tie draw and the placements
+are plain Python.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import numpy as np
 
 from edgeinfer.router.inflight import PlacementLedger
 from edgeinfer.router.kv_pull import price_pull
-from edgeinfer.router.load_arrays import Row
+from edgeinfer.router.load_columns import Row
 from edgeinfer.router.network import IntArray, NetworkModel
 from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.pop_registry import DaemonView
