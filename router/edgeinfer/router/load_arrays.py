@@ -61,6 +61,8 @@ from edgeinfer.router.session_affinity import AffinityRing
 BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
 # Carried arrays are built afresh after this long (seconds on the registry's clock).
 REBUILD_S = 1.0
+# d_state's first columns: Row's fields then both keys (an int: IntEnum arithmetic is slow).
+_ROW_AND_KEYS = int(DState.KEY_LONG) + 1
 
 
 class LoadArrays:
@@ -288,7 +290,7 @@ class LoadArrays:
         self.d_rows[i] = row = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv,
                                 local_max, colo_end, colo_inv, penalty, itl)  # fmt: skip
         # The row and both keys (DState's first columns) in one write.
-        self.d_state[i, : DState.KEY_LONG + 1] = (*row,
+        self.d_state[i, :_ROW_AND_KEYS] = (*row,
             static + (own_short if own_short < pooled_short else pooled_short),
             static + (own_long if own_long < pooled_long else pooled_long))  # fmt: skip
         self.load_sum += running + waiting - self.load[i]
