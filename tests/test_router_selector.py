@@ -401,3 +401,41 @@ def test_arrays_carried_to_a_load_only_snapshot_match_a_rebuild() -> None:
     w.now += 0.3
     w.beat("http://lon-d:8000", role="decode", running=3)
     assert decide(1) is rebuilt
+
+
+def test_carried_and_rebuilt_arrays_price_a_queue_alike_as_time_passes() -> None:
+    """A daemon works its reported queue, then what this router placed since, in order (a
+    FIFO): carried arrays, updated per placement, and arrays built afresh from the ledger price
+    the same queue, that FIFO's, some time later. (A build once let the pending work drain beside the reported
+    queue, so the price of a busy daemon's queue changed whenever the arrays were rebuilt.)"""
+    w = World()
+    for pop in COORDS:
+        w.beat(f"http://{pop}-1:8000", queued_prefill_tokens=20_000)  # 2 s of work each
+    pending, rng = w.reg.pending, random.Random(5)
+    for _ in range(4):
+        views = w.reg.snapshot(w.now)
+        f = RequestFeatures(5000, 100, "m")
+        best = select(views, LONDON, f, NET, CFG, rng, "lon", pending=pending, now=w.now)[0]
+        record_placement(pending, best, f, w.now)
+        w.now += 0.05
+    w.now += 0.6  # within REBUILD_S of the build, which a carry needs
+    w.beat("http://cgq-1:8000")  # a load-only snapshot: the arrays are carried over
+    views = w.reg.snapshot(w.now)
+    live = prepared(views, NET, CFG, pending).arrays("m", w.now)
+    assert live.built_at is not None and live.built_at < w.now  # carried, not built
+    fresh = load_arrays.LoadArrays(views, "m", live.geo, CFG, pending, w.now)
+    t = w.now
+
+    def queues(ends: Any) -> np.ndarray:
+        return np.maximum(np.asarray(ends, dtype=np.float64) - t, 0.0)
+
+    np.testing.assert_allclose(queues(live.local_end), queues(fresh.local_end), atol=1e-9)
+    np.testing.assert_allclose(queues(live.p_end), queues(fresh.p_end), atol=1e-9)
+    # And that is the FIFO: the reported queue from its report, then the pending back to back.
+    lon = next(i for i, v in enumerate(fresh.d) if v.pop == "lon")
+    v = fresh.d[lon]
+    inv = 1.0 / v.prefill_tokens_per_s
+    reported = v.last_seen - pending.report_lag_s / 2 + v.queued_prefill_tokens * inv
+    fifo = max(reported + pending.totals(v.url)[2] * inv, pending.prefill_end(v.url), t) - t
+    assert pending.totals(v.url)[2] > 0  # something was placed there
+    assert queues(live.local_end)[lon] == pytest.approx(fifo)

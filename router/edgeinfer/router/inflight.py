@@ -92,7 +92,8 @@ class PlacementLedger:
     def prefill_end(self, url: str) -> float:
         """When ``url`` would finish the pending prefills alone, each started when placed: a
         daemon works them off as the seconds pass, so pending tokens are not all still queued.
-        (-inf when none.) The selector adds what is left of it to the reported queue."""
+        (-inf when none.) Behind the reported queue they end later, if at all
+        (:func:`edgeinfer.router.load_arrays.queue_end`)."""
         return self._ends.get(url, -math.inf)
 
     def recent(self, url: str, now: float) -> float:

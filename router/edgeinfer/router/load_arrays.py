@@ -9,11 +9,12 @@ Python, which must agree with the vectorized build (a test checks it does).
 
 Prefill queues are kept as the time they end (``*_end``, on the registry's clock): a daemon works
 through its queue at its rate, so the queue a heartbeat reported is ``end - now`` seconds long a
-moment later, and a placement of n tokens moves the end to ``max(end, now) + n / rate``. The
-pending placements join it as what is left of them, each started when it was placed
-(``PlacementLedger.prefill_end``). Without the drain, placements added since a heartbeat (5 s
-ago) would pile up on queues long worked off, and every prefill daemon would look seconds
-busier than it is. The snapshot a heartbeat reports was taken on average half the daemons'
+moment later, and a placement of n tokens moves the end to ``max(end, now) + n / rate``. A
+build puts the pending placements behind the reported queue in the same way, as a FIFO does
+(:func:`queue_end`: they end with it, or at ``PlacementLedger.prefill_end`` when they started
+after it), so carried arrays and a build price the same queue at any time. Without the drain,
+placements added since a heartbeat (5 s ago) would pile up on queues long worked off, and every
+prefill daemon would look seconds busier than it is. The snapshot a heartbeat reports was taken on average half the daemons'
 report lag before it arrived. Decode load (running sequences, free KV) is not drained: finishing
 requests are not predicted, so it errs busy until the next heartbeat. Without a clock (``now``
 None) queues are priced as reported.
@@ -65,6 +66,21 @@ REBUILD_S = 1.0
 _ROW_AND_KEYS = int(DState.KEY_LONG) + 1
 
 
+def queue_end(
+    reported_at: FloatArray, queued_s: FloatArray, pending_s: FloatArray,
+    pending_end: FloatArray, now: float | None,
+) -> FloatArray:  # fmt: skip
+    """When each daemon's prefill queue ends: first what it reported (``queued_s`` from
+    ``reported_at``), then, in the order placed, what this router placed since
+    (``pending_s``; alone it would end at ``pending_end``, each started when placed). A FIFO
+    of both ends at ``max(reported_at + queued_s + pending_s, pending_end)``: the reported work
+    then all the pending back to back, unless the pending started later than that and runs to
+    its own end. No earlier than ``now``; without a clock, the seconds queued."""
+    if now is None:
+        return queued_s + pending_s
+    return np.maximum(np.maximum(reported_at + queued_s + pending_s, pending_end), now)
+
+
 class LoadArrays:
     """Per-snapshot, per-model load of the available daemons; ``d_*`` has one entry per
     decode-capable daemon, ``p_*`` per daemon that can prefill for others."""
@@ -102,17 +118,17 @@ class LoadArrays:
              v.queued_prefill_tokens, 0.0, v.last_seen or 0.0, v.rtt_s or 0.0,
              v.itl_p50_s or assumed.itl_s,
              math.inf if v.role == "both" else v.local_prefill_threshold, geo.index[v.pop],
-             v.decode_tokens_per_s > 0)
+             v.decode_tokens_per_s > 0, -math.inf)
             for v in d
         ], dtype=np.float64).reshape(len(d), len(DCol))  # fmt: skip
         pm = np.asarray([
             (v.prefill_tokens_per_s or assumed.prefill_tokens_per_s, v.queued_prefill_tokens,
-             0.0, v.last_seen or 0.0, geo.index[v.pop])
+             0.0, v.last_seen or 0.0, geo.index[v.pop], -math.inf)
             for v in p
         ], dtype=np.float64).reshape(len(p), len(PCol))  # fmt: skip
-        # What this router placed since: sequences and KV on D, and of the prefill work what is
-        # not done by now (all of it without a clock), in seconds, on whoever prefills.
-        d_of, p_of, clock = self.d_of, self.p_of, now is not None
+        # What this router placed since: sequences and KV on D, and on whoever prefills the
+        # prefill work in seconds and when it would end alone (queue_end takes both).
+        d_of, p_of = self.d_of, self.p_of
         on_d, on_p = [], []
         for url, (seqs, kv, tokens), end in pending.items() if pending is not None else ():
             if (i := d_of.get(url)) is not None:
@@ -124,15 +140,13 @@ class LoadArrays:
             i = i_.astype(np.intp)
             dm[i, DCol.RUNNING] += seqs_
             dm[i, DCol.FREE_TOKENS] -= kv_
-            dm[i, DCol.PENDING_PREFILL_S] = (
-                np.maximum(end_ - t, 0.0) if clock else tokens_ / dm[i, DCol.PREFILL_RATE]
-            )
+            dm[i, DCol.PENDING_PREFILL_S] = tokens_ / dm[i, DCol.PREFILL_RATE]
+            dm[i, DCol.PENDING_END] = end_
         if on_p:
             j_, tokens_, end_ = np.asarray(on_p).T
             j = j_.astype(np.intp)
-            pm[j, PCol.PENDING_PREFILL_S] = (
-                np.maximum(end_ - t, 0.0) if clock else tokens_ / pm[j, PCol.RATE]
-            )
+            pm[j, PCol.PENDING_PREFILL_S] = tokens_ / pm[j, PCol.RATE]
+            pm[j, PCol.PENDING_END] = end_
         # When the snapshot a heartbeat carried was taken, on average (see the module doc).
         dm[:, DCol.REPORTED_AT] -= age
         pm[:, PCol.REPORTED_AT] -= age
@@ -146,13 +160,10 @@ class LoadArrays:
         self.d_rate, self.p50 = cols[DCol.DECODE_RATE], cols[DCol.ITL_P50_S]
         local_inv = 1.0 / dm[:, DCol.PREFILL_RATE]
         self.local_inv = local_inv.tolist()
-        # The reported queue drains from when it was reported; what is pending joins it now.
-        local_end = (
-            np.maximum(dm[:, DCol.REPORTED_AT] + dm[:, DCol.QUEUED_PREFILL] * local_inv, t)
-            if now is not None
-            else (dm[:, DCol.QUEUED_PREFILL] * local_inv)
-        )
-        local_end = local_end + dm[:, DCol.PENDING_PREFILL_S]
+        local_end = queue_end(
+            dm[:, DCol.REPORTED_AT], dm[:, DCol.QUEUED_PREFILL] * local_inv,
+            dm[:, DCol.PENDING_PREFILL_S], dm[:, DCol.PENDING_END], now,
+        )  # fmt: skip
         self.local_end = local_end.tolist()
         self.local_max = cols[DCol.LOCAL_MAX_TOKENS]
         self.measured = [x > 0 for x in cols[DCol.MEASURED]]
@@ -169,12 +180,10 @@ class LoadArrays:
         self.d_measured[:] = dm[:, DCol.RTT_S]  # RTT EWMA to the daemon's PoP, 0: none
         self.p_inv: FloatArray = 1.0 / pm[:, PCol.RATE]
         self.p_inv_mean = float(self.p_inv.mean()) if len(p) else 0.0
-        p_end = (
-            np.maximum(pm[:, PCol.REPORTED_AT] + pm[:, PCol.QUEUED_PREFILL] * self.p_inv, t)
-            if now is not None
-            else (pm[:, PCol.QUEUED_PREFILL] * self.p_inv)
-        )
-        self.p_end: FloatArray = p_end + pm[:, PCol.PENDING_PREFILL_S]
+        self.p_end: FloatArray = queue_end(
+            pm[:, PCol.REPORTED_AT], pm[:, PCol.QUEUED_PREFILL] * self.p_inv,
+            pm[:, PCol.PENDING_PREFILL_S], pm[:, PCol.PENDING_END], now,
+        )  # fmt: skip
         self.p_pop: IntArray = pm[:, PCol.POP].astype(np.intp)
         self.p_pop_list: list[int] = self.p_pop.tolist()
         # As Python lists too (p_end_l kept equal to p_end): the prefix path reads a few dozen
@@ -413,10 +422,11 @@ class LoadArrays:
         seqs, kv, tokens = self.pending.totals(v.url) if self.pending is not None else (0, 0, 0)
         if now is None:
             return inv, queued + tokens * inv, seqs, kv
-        reported = (v.last_seen or 0.0) - self._age
-        end = reported + queued if reported + queued > now else now
-        left = self.pending.prefill_end(v.url) - now if self.pending is not None else 0.0
-        return inv, end + (left if left > 0.0 else 0.0), seqs, kv
+        # queue_end for one daemon.
+        end = (v.last_seen or 0.0) - self._age + queued + tokens * inv
+        alone = self.pending.prefill_end(v.url) if self.pending is not None else -math.inf
+        end = end if end > alone else alone
+        return inv, end if end > now else now, seqs, kv
 
     def _reload_d(self, i: int, v: DaemonView, now: float | None) -> None:
         """Row ``i``'s raw load from its view (``_derive`` turns it into the decision's row)."""

@@ -13,12 +13,13 @@ class DCol(IntEnum):
 
     RUNNING, WAITING, FREE_TOKENS, PREFILL_RATE, DECODE_RATE, QUEUED_PREFILL = range(6)
     PENDING_PREFILL_S, REPORTED_AT, RTT_S, ITL_P50_S, LOCAL_MAX_TOKENS, POP, MEASURED = range(6, 13)
+    PENDING_END = 13  # PlacementLedger.prefill_end (-inf: nothing pending)
 
 
 class PCol(IntEnum):
     """Columns of the per-snapshot prefill-daemon matrix (one row per P)."""
 
-    RATE, QUEUED_PREFILL, PENDING_PREFILL_S, REPORTED_AT, POP = range(5)
+    RATE, QUEUED_PREFILL, PENDING_PREFILL_S, REPORTED_AT, POP, PENDING_END = range(6)
 
 
 class Row(IntEnum):
