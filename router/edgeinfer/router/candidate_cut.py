@@ -13,19 +13,32 @@ The RTT floor is :meth:`NetworkModel.rtt_floor_to_point_s`'s: ``acos(dot) * s_pe
 fixed_rtt_s``, with the router's measured RTT to the daemon's PoP when that is larger (a client
 in the router's catchment). A test holds the two to the same figures.
 
-Compiled on first use and cached on disk (``cache=True``), as the kernels' numba code is; the
-router warms them when it starts (:func:`warm`) so that no request waits for the compiler.
+Compiled on first use and cached on disk, as the kernels' numba code is; the router warms them
+when it starts (:func:`warm`) so that no request waits for the compiler.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from numba import njit
 
 from edgeinfer.router.load_columns import DState, PState, Row
 from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
+
+
+def _compiled(fn: Callable[..., Any]) -> Any:
+    """``fn`` compiled by numba, its code cached on disk (beside this file, in the user's cache or
+    in ``NUMBA_CACHE_DIR``); where none of them is writable numba refuses the cache at import,
+    and the passes are compiled at every start instead (~3 s)."""
+    try:
+        return njit(cache=True, nogil=True, boundscheck=False)(fn)
+    except RuntimeError:
+        return njit(nogil=True, boundscheck=False)(fn)
+
 
 # A chord equal to its arc (a daemon where the client is) may round a hair above the exact
 # floor: bounds within this of the k-th best are computed exactly rather than skipped.
@@ -44,7 +57,7 @@ _P_END, _P_SPT = int(PState.END), int(PState.S_PER_TOKEN)
 KEY_SHORT, KEY_LONG = int(DState.KEY_SHORT), int(DState.KEY_LONG)
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@_compiled
 def cheapest(
     d: FloatArray, key: int, px: float, py: float, pz: float, scale: float, fixed: float,
     use_measured: bool, k: int,
@@ -89,7 +102,7 @@ SCORE, ROW, NET, ADMIT, LOCAL, COLO, PREFILL, LOCAL_QUEUE, LOCAL_SPT, ITL, POOLE
 )
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@_compiled
 def price_candidates(
     d: FloatArray, key: int, pool: FloatArray, pool_rtt: FloatArray, px: float, py: float,
     pz: float, scale: float, fixed: float, use_measured: bool, k: int, extra: int,
