@@ -170,14 +170,9 @@ def price_candidates(
                 out[at, col] = out[at - 1, col]
             at -= 1
         out[at, SCORE], out[at, ROW], out[at, NET], out[at, ADMIT] = score, i, r_j, admit
-        out[at, LOCAL], out[at, COLO], out[at, PREFILL], out[at, LOCAL_QUEUE] = (
-            local,
-            colo,
-            best,
-            lq,
-        )
-        out[at, LOCAL_SPT], out[at, ITL], out[at, POOLED] = l_inv, d[i, _ITL], member
-        out[at, POOL_KV] = pool_kv
+        out[at, LOCAL], out[at, COLO], out[at, PREFILL] = local, colo, best
+        out[at, LOCAL_QUEUE], out[at, LOCAL_SPT], out[at, ITL] = lq, l_inv, d[i, _ITL]
+        out[at, POOLED], out[at, POOL_KV] = member, pool_kv
     return out
 
 
@@ -235,5 +230,6 @@ def warm() -> None:
     """Compile (or load from the disk cache) the passes before the first request needs them."""
     d = np.zeros((2, len(Row) + len(DState)))
     d[0, _X] = d[1, _Y] = 1.0
+    cheapest(d, KEY_SHORT, 1.0, 0.0, 0.0, 1.0, 0.0, True, 1)  # the prefix path's cut
     price_candidates(d, KEY_SHORT, np.ones((1, len(PState))), np.zeros((2, 1)), 1.0,
                      0.0, 0.0, 1.0, 0.0, True, 1, 1, 0.0, 1.0, 1.0, 1.0, 0.0)  # fmt: skip

@@ -125,21 +125,26 @@ def select(
     n = bisect.bisect_left(priced, [math.inf])  # by score: those that can prefill come first
     if not n:
         return []
-    order = list(range(n))
     best = priced[0][SCORE]
     ties = bisect.bisect_right(priced, [best + cfg.near_tie_s, math.inf], hi=n)
-    if sticky is not None and (
-        j := next((j for j in order if priced[j][ROW] == sticky), None)
-    ) is not None and priced[j][ITL] <= cfg.itl_slo_s and priced[j][SCORE] <= best + cfg.affinity_slack_s:  # fmt: skip
-        order.remove(j)
-        order.insert(0, j)
-    elif ties >= 2:
+    # First: the session's daemon when it can place, within the ITL SLO and near the best;
+    # else, among near-ties, the less loaded of two drawn at random; else the best.
+    lead = None
+    if sticky is not None:
+        lead = next((j for j in range(n) if priced[j][ROW] == sticky), None)
+    if lead is not None and not (
+        priced[lead][ITL] <= cfg.itl_slo_s and priced[lead][SCORE] <= best + cfg.affinity_slack_s
+    ):
+        lead = None
+    if lead is None and ties >= 2:
         # Two distinct random picks without random.sample's overhead.
         i = rng.randrange(ties)
         j = (i + 1 + rng.randrange(ties - 1)) % ties
-        first = i if a.load[int(priced[i][ROW])] <= a.load[int(priced[j][ROW])] else j
-        order.remove(first)
-        order.insert(0, first)
+        lead = i if a.load[int(priced[i][ROW])] <= a.load[int(priced[j][ROW])] else j
+    order = list(range(n))
+    if lead is not None:
+        order.remove(lead)
+        order.insert(0, lead)
     out = []
     for j in order[:limit]:
         _, row, net_s, admit, local, colo, best_prefill, queue, per_token, itl, member, kv = priced[
