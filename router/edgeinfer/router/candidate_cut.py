@@ -57,6 +57,31 @@ _P_END, _P_SPT = int(PState.END), int(PState.S_PER_TOKEN)
 KEY_SHORT, KEY_LONG = int(DState.KEY_SHORT), int(DState.KEY_LONG)
 
 
+@njit(inline="always")
+def _dot(d: FloatArray, i: int, px: float, py: float, pz: float) -> float:
+    """Row ``i``'s unit vector dotted with the client's, inside [-1, 1]."""
+    return min(max(d[i, _X] * px + d[i, _Y] * py + d[i, _Z] * pz, -1.0), 1.0)
+
+
+@njit(inline="always")
+def _rtt(
+    d: FloatArray, i: int, dot: float, scale: float, fixed: float, use_measured: bool
+) -> float:
+    """Row ``i``'s RTT from ``dot``: NetworkModel.rtt_floor_to_point_s's floor, or the RTT
+    measured to its PoP when that is larger and counts (a client in the catchment)."""
+    r = math.acos(dot) * scale + fixed
+    return d[i, _MEASURED] if use_measured and d[i, _MEASURED] > r else r
+
+
+@_compiled
+def rtt_of(
+    d: FloatArray, i: int, px: float, py: float, pz: float, scale: float, fixed: float,
+    use_measured: bool,
+) -> float:  # fmt: skip
+    """Row ``i``'s RTT alone, as :func:`cheapest` gives it (a prefix holder outside the cut)."""
+    return _rtt(d, i, _dot(d, i, px, py, pz), scale, fixed, use_measured)
+
+
 @_compiled
 def cheapest(
     d: FloatArray, key: int, px: float, py: float, pz: float, scale: float, fixed: float,
@@ -72,16 +97,13 @@ def cheapest(
     cost = np.empty(k, np.float64)
     m = 0
     for i in range(n):
-        dot = d[i, _X] * px + d[i, _Y] * py + d[i, _Z] * pz
-        dot = min(max(dot, -1.0), 1.0)
+        dot = _dot(d, i, px, py, pz)
         if m == k:
             chord = 2.0 - 2.0 * dot
             bound = d[i, key] + fixed + math.sqrt(chord if chord > 0.0 else 0.0) * scale
             if bound - _SLACK_S >= cost[k - 1]:
                 continue
-        r = math.acos(dot) * scale + fixed
-        if use_measured and d[i, _MEASURED] > r:
-            r = d[i, _MEASURED]
+        r = _rtt(d, i, dot, scale, fixed, use_measured)
         c = d[i, key] + r
         if m == k and c >= cost[k - 1]:
             continue
@@ -123,10 +145,7 @@ def price_candidates(
             extra = -1
     r = 0.0
     if extra >= 0:
-        dot = d[extra, _X] * px + d[extra, _Y] * py + d[extra, _Z] * pz
-        r = math.acos(min(max(dot, -1.0), 1.0)) * scale + fixed
-        if use_measured and d[extra, _MEASURED] > r:
-            r = d[extra, _MEASURED]
+        r = _rtt(d, extra, _dot(d, extra, px, py, pz), scale, fixed, use_measured)
         n += 1
     q = pool.shape[0]
     # Of each pool member: its queue left plus this prompt, and the transfer its pages leave
@@ -217,12 +236,8 @@ class ClientRtt:
         """Row ``i``'s RTT (the same figure :func:`cheapest` gives for it)."""
         r = self.known.get(i)
         if r is None:
-            (px, py, pz), d = self.point, self.d
-            dot = d.item(i, _X) * px + d.item(i, _Y) * py + d.item(i, _Z) * pz
-            r = math.acos(min(max(dot, -1.0), 1.0)) * self.scale + self.fixed
-            if self.use_measured and d.item(i, _MEASURED) > r:
-                r = d.item(i, _MEASURED)
-            self.known[i] = r
+            r = self.known[i] = rtt_of(self.d, i, *self.point, self.scale, self.fixed,
+                                       self.use_measured)  # fmt: skip
         return r
 
 
@@ -231,5 +246,6 @@ def warm() -> None:
     d = np.zeros((2, len(Row) + len(DState)))
     d[0, _X] = d[1, _Y] = 1.0
     cheapest(d, KEY_SHORT, 1.0, 0.0, 0.0, 1.0, 0.0, True, 1)  # the prefix path's cut
+    rtt_of(d, 1, 1.0, 0.0, 0.0, 1.0, 0.0, True)  # and its holders
     price_candidates(d, KEY_SHORT, np.ones((1, len(PState))), np.zeros((2, 1)), 1.0,
                      0.0, 0.0, 1.0, 0.0, True, 1, 1, 0.0, 1.0, 1.0, 1.0, 0.0)  # fmt: skip
