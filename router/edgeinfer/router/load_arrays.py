@@ -11,11 +11,10 @@ Prefill queues are kept as the time they end (``*_end``, on the registry's clock
 through its queue at its rate, so the queue a heartbeat reported is ``end - now`` seconds long a
 moment later, and a placement of n tokens moves the end to ``max(end, now) + n / rate``. A
 build puts the pending placements behind the reported queue in the same way, as a FIFO does
-(:func:`queue_end`: they end with it, or at ``PlacementLedger.prefill_end`` when they started
-after it), so carried arrays and a build price the same queue at any time. Without the drain,
-placements added since a heartbeat (5 s ago) would pile up on queues long worked off, and every
-prefill daemon would look seconds busier than it is. The snapshot a heartbeat reports was taken on average half the daemons'
-report lag before it arrived. Decode load (running sequences, free KV) is not drained: finishing
+(:func:`queue_end`), so carried arrays and a build price the same queue at any time. Without
+the drain, placements added since a heartbeat (5 s ago) would pile up on queues long worked
+off, and every prefill daemon would look seconds busier than it is. The snapshot a heartbeat
+reports was taken on average half the daemons' report lag before it arrived. Decode load (running sequences, free KV) is not drained: finishing
 requests are not predicted, so it errs busy until the next heartbeat. Without a clock (``now``
 None) queues are priced as reported.
 
@@ -45,6 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -66,16 +66,15 @@ REBUILD_S = 1.0
 _ROW_AND_KEYS = int(DState.KEY_LONG) + 1
 
 
-def queue_end(
-    reported_at: FloatArray, queued_s: FloatArray, pending_s: FloatArray,
-    pending_end: FloatArray, now: float | None,
-) -> FloatArray:  # fmt: skip
+def queue_end(reported_at: Any, queued_s: Any, pending_s: Any, pending_end: Any,
+              now: float | None) -> Any:  # fmt: skip
     """When each daemon's prefill queue ends: first what it reported (``queued_s`` from
     ``reported_at``), then, in the order placed, what this router placed since
     (``pending_s``; alone it would end at ``pending_end``, each started when placed). A FIFO
     of both ends at ``max(reported_at + queued_s + pending_s, pending_end)``: the reported work
     then all the pending back to back, unless the pending started later than that and runs to
-    its own end. No earlier than ``now``; without a clock, the seconds queued."""
+    its own end. No earlier than ``now``; without a clock, the seconds queued. Arrays (a
+    build) or one daemon's floats (a carried row read again)."""
     if now is None:
         return queued_s + pending_s
     return np.maximum(np.maximum(reported_at + queued_s + pending_s, pending_end), now)
@@ -422,11 +421,9 @@ class LoadArrays:
         seqs, kv, tokens = self.pending.totals(v.url) if self.pending is not None else (0, 0, 0)
         if now is None:
             return inv, queued + tokens * inv, seqs, kv
-        # queue_end for one daemon.
-        end = (v.last_seen or 0.0) - self._age + queued + tokens * inv
         alone = self.pending.prefill_end(v.url) if self.pending is not None else -math.inf
-        end = end if end > alone else alone
-        return inv, end if end > now else now, seqs, kv
+        end = queue_end((v.last_seen or 0.0) - self._age, queued, tokens * inv, alone, now)
+        return inv, float(end), seqs, kv
 
     def _reload_d(self, i: int, v: DaemonView, now: float | None) -> None:
         """Row ``i``'s raw load from its view (``_derive`` turns it into the decision's row)."""
