@@ -52,8 +52,8 @@ def world(seed: int, n: int, pool: int = 5) -> dict[str, np.ndarray]:
     rows[:, Row.COLO_S_PER_TOKEN] = np.where(np.isinf(rows[:, Row.COLO_END]), 0.0, 1e-4)
     rows[:, Row.PENALTY] = np.where(rng.random(n) < 0.1, 1e6, 0.0)
     rows[:, Row.ITL_S] = rng.uniform(0.01, 0.2, n)
-    rtt = MODEL.rtt_floor_from_dot_s(xyz @ unit_vectors(rng.uniform(-60, 70, pool),
-                                                        rng.uniform(-180, 180, pool)).T)  # fmt: skip
+    members = unit_vectors(rng.uniform(-60, 70, pool), rng.uniform(-180, 180, pool))
+    rtt = MODEL.rtt_floor_from_dot_s(xyz @ members.T)
     rtt[rng.random((n, pool)) < 0.2] = 0.0  # the member shares the daemon's PoP
     d = np.zeros((n, len(Row) + len(DState)))
     d[:, : len(Row)] = rows

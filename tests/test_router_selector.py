@@ -406,8 +406,8 @@ def test_arrays_carried_to_a_load_only_snapshot_match_a_rebuild() -> None:
 def test_carried_and_rebuilt_arrays_price_a_queue_alike_as_time_passes() -> None:
     """A daemon works its reported queue, then what this router placed since, in order (a
     FIFO): carried arrays, updated per placement, and arrays built afresh from the ledger price
-    the same queue, that FIFO's, some time later. (A build once let the pending work drain beside the reported
-    queue, so the price of a busy daemon's queue changed whenever the arrays were rebuilt.)"""
+    the same queue, that FIFO's, some time later. (A build once let the pending work drain
+    beside the reported queue, so a busy daemon's queue was priced anew at every rebuild.)"""
     w = World()
     for pop in COORDS:
         w.beat(f"http://{pop}-1:8000", queued_prefill_tokens=20_000)  # 2 s of work each

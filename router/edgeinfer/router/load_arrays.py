@@ -14,9 +14,9 @@ build puts the pending placements behind the reported queue in the same way, as 
 (:func:`queue_end`), so carried arrays and a build price the same queue at any time. Without
 the drain, placements added since a heartbeat (5 s ago) would pile up on queues long worked
 off, and every prefill daemon would look seconds busier than it is. The snapshot a heartbeat
-reports was taken on average half the daemons' report lag before it arrived. Decode load (running sequences, free KV) is not drained: finishing
-requests are not predicted, so it errs busy until the next heartbeat. Without a clock (``now``
-None) queues are priced as reported.
+reports was taken on average half the daemons' report lag before it arrived. Decode load
+(running sequences, free KV) is not drained: finishing requests are not predicted, so it errs
+busy until the next heartbeat. Without a clock (``now`` None) queues are priced as reported.
 
 Remote prefill is priced per D against its best *co-located* prefill daemon (no transfer) and a
 pool of the cheapest ones for a short and for a long prompt: a far prefill daemon that is
