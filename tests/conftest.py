@@ -27,7 +27,7 @@ from edgeinfer.daemon.engine.llm_engine import LLMEngine
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The router's compiled placement passes are compiled (or loaded from their disk cache)
     once, before any test starts router processes that would each compile them."""
-    from edgeinfer.router.candidate_cut import warm
+    from edgeinfer.router.selector import warm
 
     warm()
 

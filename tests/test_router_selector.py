@@ -16,6 +16,7 @@ import pytest
 
 from edgeinfer.router import load_arrays
 from edgeinfer.router.geo import ClientLocator, GeoPoint
+from edgeinfer.router.load_columns import DLoad
 from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.pop_registry import DaemonView, PopConfig, PopRegistry
 from edgeinfer.router.prepared import prepared
@@ -324,19 +325,55 @@ def test_updates_per_placement_match_a_rebuild() -> None:
     fresh = load_arrays.LoadArrays(views, "m", live.geo, CFG, w.reg.pending, now)
     assert live.version == fresh.version
     np.testing.assert_allclose(live.p_end, fresh.p_end)
-    assert live.p_end_l == live.p_end.tolist()  # the prefix path's copy, kept equal
+    np.testing.assert_allclose(live.pool_state, fresh.pool_state)  # the pool's copy, kept equal
     # Co-located peers are chosen per snapshot: compare the rows whose peer a rebuild keeps.
     same = np.asarray(live.colo) == np.asarray(fresh.colo)
     assert same.sum() >= len(same) - 2
-    np.testing.assert_allclose(np.asarray(live.d_rows)[same], np.asarray(fresh.d_rows)[same])
-    assert live.row_arr.tolist() == [list(r) for r in live.d_rows]  # the compiled pass's copy
-    np.testing.assert_allclose(live.d_static, fresh.d_static)
-    for name in ("own_short", "own_long"):
-        np.testing.assert_allclose(getattr(live, name)[same], getattr(fresh, name)[same])
-    assert live.load == pytest.approx(fresh.load)
+    np.testing.assert_allclose(live.row_arr[same], fresh.row_arr[same])
+    raw_l, raw_f = live.d_load, fresh.d_load
+    np.testing.assert_allclose(raw_l[:, : DLoad.OWN_SHORT], raw_f[:, : DLoad.OWN_SHORT])
+    np.testing.assert_allclose(raw_l[same, DLoad.OWN_SHORT :], raw_f[same, DLoad.OWN_SHORT :])
+    assert live.load_sum == pytest.approx(fresh.load_sum)
     # The pruning keys may lag the pool's minima, but only downwards: still lower bounds.
-    for name in ("key_short", "key_long", "pooled_short", "pooled_long"):
-        assert np.all(np.asarray(getattr(live, name)) <= np.asarray(getattr(fresh, name)) + 1e-9)
+    assert np.all(live.totals <= fresh.totals + 1e-9)
+    for name in ("key_short", "key_long"):
+        assert np.all(getattr(live, name) <= getattr(fresh, name) + 1e-9)
+
+
+def test_placements_cancelled_give_back_their_load_as_a_rebuild_reads_it() -> None:
+    """Work taken back (placements cancelled) lowers the pool's queues, the pooled bounds and
+    with them every pruning key: the updated arrays equal a rebuild's, keys included."""
+    daemons = {
+        "lon": ("http://lon-d:8000", "http://lon-p1:8000"),
+        "sea": ("http://sea-d:8000", "http://sea-p:8000"),
+        "cgq": ("http://cgq-d:8000",),
+    }
+    w = World(daemons)
+    for urls in daemons.values():
+        for url in urls:
+            role = {"d": "decode", "p": "prefill"}[url.split("-")[1][0]]
+            w.beat(url, role=role, local_prefill_threshold=0)
+    pending, now = w.reg.pending, w.now
+    idle = prepared(w.reg.snapshot(now), NET, CFG, pending).arrays("m", now).totals.copy()
+    rng, tickets = random.Random(6), []
+    for k in range(8):
+        views = w.reg.snapshot(now)
+        f = RequestFeatures(20_000, 200, "m")  # long: prefilled by the pool
+        client = GeoPoint(*COORDS[("lon", "sea")[k % 2]])
+        best = select(views, client, f, NET, CFG, rng, "lon", pending=pending, now=now)[0]
+        tickets.append(record_placement(pending, best, f, now))
+    # A load-only heartbeat: the carried arrays choose the pool again, bounds from its queues.
+    w.beat("http://lon-d:8000", role="decode")
+    views = w.reg.snapshot(now)
+    live = prepared(views, NET, CFG, pending).arrays("m", now)
+    assert np.all(live.totals[:2] > idle[:2])  # every pool member has work queued
+    for ticket in tickets:
+        pending.cancel(ticket)
+    assert prepared(views, NET, CFG, pending).arrays("m", now) is live
+    assert live.totals[:2].tolist() == idle[:2].tolist()  # the bounds came down
+    fresh = load_arrays.LoadArrays(views, "m", live.geo, CFG, pending, now)
+    for name in ("d_state", "d_load", "p_state", "pool_state", "totals"):
+        np.testing.assert_allclose(getattr(live, name), getattr(fresh, name), err_msg=name)
 
 
 def test_arrays_carried_to_a_load_only_snapshot_match_a_rebuild() -> None:
@@ -383,12 +420,14 @@ def test_arrays_carried_to_a_load_only_snapshot_match_a_rebuild() -> None:
     assert live.colo == fresh.colo and live.pool_list == fresh.pool_list
     assert (live.colo, live.pool_list) != chosen  # chosen again for the new load
     assert live.d == fresh.d and live.p == fresh.p
-    np.testing.assert_allclose(np.asarray(live.d_rows), np.asarray(fresh.d_rows))
-    assert live.row_arr.tolist() == [list(r) for r in live.d_rows]
-    for name in ("p_end", "p_inv", "pool_end", "pool_inv", "d_static", "own_short", "own_long",
-                 "d_measured", "key_short", "key_long", "pooled_short", "pooled_long"):  # fmt: skip
+    for name in ("d_state", "p_state", "pool_state", "totals"):
         np.testing.assert_allclose(getattr(live, name), getattr(fresh, name), err_msg=name)
-    assert live.p_end_l == live.p_end.tolist() and live.load == pytest.approx(fresh.load)
+    # The raw load too, but for the ITL median: a row that reported none is assumed its peers',
+    # and a row not read again keeps the figure its build assumed (here a row that prices its
+    # ITL from its measured rate, not from the median).
+    kept = [c for c in DLoad if c is not DLoad.ITL_P50_S]
+    np.testing.assert_allclose(live.d_load[:, kept], fresh.d_load[:, kept])
+    assert live.p_inv_l == live.p_inv.tolist()  # the prefix path's copy, kept equal
     assert decide(10) is live  # and decisions go on with them
 
     w.now += 0.3
@@ -429,7 +468,8 @@ def test_carried_and_rebuilt_arrays_price_a_queue_alike_as_time_passes() -> None
     def queues(ends: Any) -> np.ndarray:
         return np.maximum(np.asarray(ends, dtype=np.float64) - t, 0.0)
 
-    np.testing.assert_allclose(queues(live.local_end), queues(fresh.local_end), atol=1e-9)
+    local = [x.d_load[:, DLoad.LOCAL_END] for x in (live, fresh)]
+    np.testing.assert_allclose(queues(local[0]), queues(local[1]), atol=1e-9)
     np.testing.assert_allclose(queues(live.p_end), queues(fresh.p_end), atol=1e-9)
     # And that is the FIFO: the reported queue from its report, then the pending back to back.
     lon = next(i for i, v in enumerate(fresh.d) if v.pop == "lon")
@@ -438,4 +478,4 @@ def test_carried_and_rebuilt_arrays_price_a_queue_alike_as_time_passes() -> None
     reported = v.last_seen - pending.report_lag_s / 2 + v.queued_prefill_tokens * inv
     fifo = max(reported + pending.totals(v.url)[2] * inv, pending.prefill_end(v.url), t) - t
     assert pending.totals(v.url)[2] > 0  # something was placed there
-    assert queues(live.local_end)[lon] == pytest.approx(fifo)
+    assert queues(local[0])[lon] == pytest.approx(fifo)

@@ -30,7 +30,7 @@ from edgeinfer.router.load_columns import DState, PState, Row
 from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
 
 
-def _compiled(fn: Callable[..., Any]) -> Any:
+def compiled(fn: Callable[..., Any]) -> Any:
     """``fn`` compiled by numba, its code cached on disk (beside this file, in the user's cache or
     in ``NUMBA_CACHE_DIR``); where none of them is writable numba refuses the cache at import,
     and the passes are compiled at every start instead (~3 s)."""
@@ -73,7 +73,7 @@ def _rtt(
     return d[i, _MEASURED] if use_measured and d[i, _MEASURED] > r else r
 
 
-@_compiled
+@compiled
 def rtt_of(
     d: FloatArray, i: int, px: float, py: float, pz: float, scale: float, fixed: float,
     use_measured: bool,
@@ -82,7 +82,7 @@ def rtt_of(
     return _rtt(d, i, _dot(d, i, px, py, pz), scale, fixed, use_measured)
 
 
-@_compiled
+@compiled
 def cheapest(
     d: FloatArray, key: int, px: float, py: float, pz: float, scale: float, fixed: float,
     use_measured: bool, k: int,
@@ -124,7 +124,7 @@ SCORE, ROW, NET, ADMIT, LOCAL, COLO, PREFILL, LOCAL_QUEUE, LOCAL_SPT, ITL, POOLE
 )
 
 
-@_compiled
+@compiled
 def price_candidates(
     d: FloatArray, key: int, pool: FloatArray, pool_rtt: FloatArray, px: float, py: float,
     pz: float, scale: float, fixed: float, use_measured: bool, k: int, extra: int,

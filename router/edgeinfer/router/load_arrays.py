@@ -4,8 +4,9 @@ A registry snapshot changes only when a heartbeat (or an admin action) does; the
 from it cost ~1 ms at 600 daemons, so they are built once per snapshot and model. Between
 heartbeats the router's own placements change the load it should price
 (:mod:`edgeinfer.router.inflight`): each one updates only the rows it touches (the decode
-daemon, the prefill daemon and the decode daemons whose co-located prefill peer it is) in plain
-Python, which must agree with the vectorized build (a test checks it does).
+daemon, the prefill daemon and the decode daemons whose co-located prefill peer it is) in one
+compiled call (:mod:`edgeinfer.router.load_update`), which must agree with the vectorized build
+(a test checks it does).
 
 Prefill queues are kept as the time they end (``*_end``, on the registry's clock): a daemon works
 through its queue at its rate, so the queue a heartbeat reported is ``end - now`` seconds long a
@@ -49,7 +50,8 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.router.inflight import Change, PlacementLedger
-from edgeinfer.router.load_columns import DCol, DState, PCol, PState, Row
+from edgeinfer.router.load_columns import DCol, DLoad, DState, PCol, PState, Row, Totals
+from edgeinfer.router.load_update import BIG, apply_change, pooled_bounds
 from edgeinfer.router.network import (
     FloatArray,
     IntArray,
@@ -59,7 +61,6 @@ from edgeinfer.router.placement import Assumed, PlacementConfig
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.session_affinity import AffinityRing
 
-BIG = 1e6  # added to the score of a candidate over the ITL SLO: it ranks after all within it
 # Carried arrays are built afresh after this long (seconds on the registry's clock).
 REBUILD_S = 1.0
 # d_state's first columns: Row's fields then both keys (an int: IntEnum arithmetic is slow).
@@ -149,23 +150,20 @@ class LoadArrays:
         # When the snapshot a heartbeat carried was taken, on average (see the module doc).
         dm[:, DCol.REPORTED_AT] -= age
         pm[:, PCol.REPORTED_AT] -= age
-        # Raw load as Python lists: per-placement updates read and write them one at a time.
-        cols = dm.T.tolist()
-        self.running, self.waiting, self.free = (
-            cols[DCol.RUNNING],
-            cols[DCol.WAITING],
-            cols[DCol.FREE_TOKENS],
-        )
-        self.d_rate, self.p50 = cols[DCol.DECODE_RATE], cols[DCol.ITL_P50_S]
-        local_inv = 1.0 / dm[:, DCol.PREFILL_RATE]
-        self.local_inv = local_inv.tolist()
-        local_end = queue_end(
+        # The raw load that placements change (load_update), and what is derived from it.
+        self.d_load: FloatArray = np.zeros((len(d), len(DLoad)))
+        raw = self.d_load
+        for col in ("RUNNING", "WAITING", "FREE_TOKENS", "DECODE_RATE", "ITL_P50_S",
+                    "LOCAL_MAX_TOKENS"):  # fmt: skip
+            raw[:, DLoad[col]] = dm[:, DCol[col]]
+        raw[:, DLoad.MEASURED] = dm[:, DCol.MEASURED] > 0
+        local_inv = raw[:, DLoad.LOCAL_S_PER_TOKEN] = 1.0 / dm[:, DCol.PREFILL_RATE]
+        raw[:, DLoad.LOCAL_END] = queue_end(
             dm[:, DCol.REPORTED_AT], dm[:, DCol.QUEUED_PREFILL] * local_inv,
             dm[:, DCol.PENDING_PREFILL_S], dm[:, DCol.PENDING_END], now,
         )  # fmt: skip
-        self.local_end = local_end.tolist()
-        self.local_max = cols[DCol.LOCAL_MAX_TOKENS]
-        self.measured = [x > 0 for x in cols[DCol.MEASURED]]
+        self.load: FloatArray = raw[:, DLoad.LOAD]  # running + waiting, a view
+        self.totals: FloatArray = np.zeros(len(Totals))  # Totals, kept with the rows
         self.d_pop: IntArray = dm[:, DCol.POP].astype(np.intp)
         self.d_pop_list: list[int] = self.d_pop.tolist()
         # Per D, one row of what a decision reads (DState); the names below are views of it.
@@ -177,30 +175,31 @@ class LoadArrays:
         self.d_xyz[:] = geo.xyz[self.d_pop].reshape(len(d), 3)
         self.d_measured: FloatArray = self.d_state[:, DState.MEASURED_RTT_S]
         self.d_measured[:] = dm[:, DCol.RTT_S]  # RTT EWMA to the daemon's PoP, 0: none
-        self.p_inv: FloatArray = 1.0 / pm[:, PCol.RATE]
+        # Per P, when its queue ends and its seconds per token (PState); the names are views.
+        self.p_state: FloatArray = np.zeros((len(p), len(PState)))
+        self.p_inv: FloatArray = self.p_state[:, PState.S_PER_TOKEN]
+        self.p_inv[:] = 1.0 / pm[:, PCol.RATE]
         self.p_inv_mean = float(self.p_inv.mean()) if len(p) else 0.0
-        self.p_end: FloatArray = queue_end(
+        self.p_end: FloatArray = self.p_state[:, PState.END]
+        self.p_end[:] = queue_end(
             pm[:, PCol.REPORTED_AT], pm[:, PCol.QUEUED_PREFILL] * self.p_inv,
             pm[:, PCol.PENDING_PREFILL_S], pm[:, PCol.PENDING_END], now,
         )  # fmt: skip
         self.p_pop: IntArray = pm[:, PCol.POP].astype(np.intp)
         self.p_pop_list: list[int] = self.p_pop.tolist()
-        # As Python lists too (p_end_l kept equal to p_end): the prefix path reads a few dozen
-        # entries per decision, and a numpy scalar read costs several times a list's.
-        self.p_end_l: list[float] = self.p_end.tolist()
+        # As a Python list too (placements do not change it): the prefix path reads a few
+        # dozen entries per decision, and a numpy scalar read costs several times a list's.
         self.p_inv_l: list[float] = self.p_inv.tolist()
-        self.pooled_short = self.pooled_long = math.inf
+        self.totals[Totals.POOLED_SHORT] = self.totals[Totals.POOLED_LONG] = math.inf
         self.pool: IntArray  # indices into p of the cheapest prefill daemons (module doc)
-        self.pool_at: dict[int, int]  # index into p -> position in the pool
-        self.pool_state: FloatArray  # [pool, PState] the pool's p_end (kept current) and p_inv
-        self.pool_inv: FloatArray  # [pool] views of pool_state's columns
-        self.pool_end: FloatArray
+        self.p_pool: IntArray  # per P, its position in the pool (-1: none)
+        self.pool_state: FloatArray  # [pool, PState] the pool's p_state rows (kept current)
         self.d_pool_rtt: FloatArray  # [D, pool] RTT, 0 within a PoP (no transfer)
         self._choose(t)
 
     def _choose(self, t: float) -> None:
         """Co-located peers and the prefill pool for the load at ``t``, then every row derived
-        from the raw load (the lists above): the build's last part, and a carry's."""
+        from the raw load (``d_load``): the build's last part, and a carry's."""
         cfg = self.cfg
         # Per D: index into p of its PoP's best prefill daemon, judged on one chunk (queues differ
         # more than speeds), -1 if none. Chosen per snapshot, like the pool.
@@ -212,34 +211,32 @@ class LoadArrays:
                 best[g] = k
         self.colo = [best.get(g, -1) for g in self.d_pop_list]
         self.colo_arr: IntArray = np.asarray(self.colo, dtype=np.intp)
-        # The other way round: per prefill daemon, the D rows it is the co-located peer of.
-        self.colo_rows: dict[int, list[int]] = {}
-        for i, c in enumerate(self.colo):
-            if c >= 0:
-                self.colo_rows.setdefault(c, []).append(i)
+        # The other way round: P j is the co-located peer of the D rows
+        # colo_rows[colo_ptr[j]:colo_ptr[j + 1]] (rows by peer, a CSR pair).
+        rows = np.flatnonzero(self.colo_arr >= 0)
+        rows = rows[np.argsort(self.colo_arr[rows], kind="stable")]
+        self.colo_rows: IntArray = rows.astype(np.intp)
+        self.colo_ptr: IntArray = np.searchsorted(
+            self.colo_arr[rows], np.arange(len(self.p) + 1)
+        ).astype(np.intp)
         self._rank_pool(t)
         self._derive_all(t)
 
     # ---- the vectorized build ----------------------------------------------------------
     def _derive_all(self, t: float) -> None:
-        cfg = self.cfg
-        running, waiting, free = (
-            np.asarray(self.running, dtype=np.float64),
-            np.asarray(self.waiting, dtype=np.float64),
-            np.asarray(self.free, dtype=np.float64),
-        )
-        d_rate = np.asarray(self.d_rate, dtype=np.float64)
-        p50 = np.asarray(self.p50, dtype=np.float64)
-        measured = np.asarray(self.measured, dtype=bool)
-        local_max = np.asarray(self.local_max, dtype=np.float64)
-        local_inv = np.asarray(self.local_inv, dtype=np.float64)
-        local_end = np.asarray(self.local_end, dtype=np.float64)
+        cfg, raw = self.cfg, self.d_load
+        running, waiting, free = (raw[:, DLoad.RUNNING], raw[:, DLoad.WAITING],
+                                  raw[:, DLoad.FREE_TOKENS])  # fmt: skip
+        d_rate, p50 = raw[:, DLoad.DECODE_RATE], raw[:, DLoad.ITL_P50_S]
+        measured = raw[:, DLoad.MEASURED] > 0
+        local_max = raw[:, DLoad.LOCAL_MAX_TOKENS]
+        local_inv, local_end = raw[:, DLoad.LOCAL_S_PER_TOKEN], raw[:, DLoad.LOCAL_END]
         # Aggregate rate R at batch B means a step of B/R; one more sequence makes it (B+1)/R.
         itl = np.where((running > 0) & measured, (running + 1) / d_rate, p50)
         penalty = np.where(itl <= cfg.itl_slo_s, 0.0, BIG + itl)
         admit_wait = (waiting + 1.0) * cfg.mean_output_tokens / d_rate
         # Requests wait, or what was placed since the heartbeat has used up the free KV.
-        self.d_static = penalty + np.where((waiting > 0) | (free <= 0), admit_wait, 0.0)
+        raw[:, DLoad.STATIC] = penalty + np.where((waiting > 0) | (free <= 0), admit_wait, 0.0)
         local_q = np.maximum(local_end - t, 0.0)
         colo = self.colo_arr
         has = colo >= 0
@@ -252,57 +249,18 @@ class LoadArrays:
             np.where(ns <= local_max, 0.0, math.inf),
             np.where(nl <= local_max, 0.0, math.inf),
         )
-        self.own_short = np.minimum(local_q + ns * local_inv + short_ok, colo_q + ns * colo_inv)
-        self.own_long = np.minimum(local_q + nl * local_inv + long_ok, colo_q + nl * colo_inv)
+        raw[:, DLoad.OWN_SHORT] = np.minimum(local_q + ns * local_inv + short_ok,
+                                             colo_q + ns * colo_inv)  # fmt: skip
+        raw[:, DLoad.OWN_LONG] = np.minimum(local_q + nl * local_inv + long_ok,
+                                            colo_q + nl * colo_inv)  # fmt: skip
         self._keys()
         # In the order of Row.
         free_col = np.where(waiting > 0, -1.0, free)
         cols = (free_col, admit_wait, local_end, local_inv, local_max, colo_end, colo_inv, penalty,
                 itl)  # fmt: skip
-        # Rows as an array (the compiled decision's) and as Python tuples (the prefix path
-        # reads a few dozen); a placement rewrites one or two of each.
         self.row_arr[:] = np.stack(cols, axis=1).reshape(len(self.d), len(Row))
-        self.d_rows: list[tuple[float, ...]] = list(map(tuple, self.row_arr.tolist()))
-        self.load = (running + waiting).tolist()  # for the power-of-two choice
-        # Their total, kept with them (the load guard's mean): loads are counts, sums exact.
-        self.load_sum = float(sum(self.load))
-
-    # ---- one row at a time (must compute what _derive_all does) -----------------------
-    def _derive(self, i: int, t: float) -> None:
-        # Runs for every placement (one or two rows): conditional expressions, not max()/min().
-        cfg = self.cfg
-        running, waiting, free = self.running[i], self.waiting[i], self.free[i]
-        rate = self.d_rate[i]
-        itl = (running + 1) / rate if running > 0 and self.measured[i] else self.p50[i]
-        penalty = 0.0 if itl <= cfg.itl_slo_s else BIG + itl
-        admit_wait = (waiting + 1.0) * cfg.mean_output_tokens / rate
-        static = penalty + admit_wait if waiting > 0 or free <= 0 else penalty
-        local_inv, local_end = self.local_inv[i], self.local_end[i]
-        local_q = local_end - t if local_end > t else 0.0
-        local_max = self.local_max[i]
-        c = self.colo[i]
-        if c >= 0:
-            colo_end, colo_inv = self.p_end_l[c], self.p_inv_l[c]
-            colo_q = colo_end - t if colo_end > t else 0.0
-        else:
-            colo_end, colo_inv, colo_q = math.inf, 0.0, math.inf
-        ns, nl = self._ns, self._nl
-        own_short = local_q + ns * local_inv if ns <= local_max else math.inf
-        if colo_q + ns * colo_inv < own_short:
-            own_short = colo_q + ns * colo_inv
-        own_long = local_q + nl * local_inv if nl <= local_max else math.inf
-        if colo_q + nl * colo_inv < own_long:
-            own_long = colo_q + nl * colo_inv
-        self.d_static[i], self.own_short[i], self.own_long[i] = static, own_short, own_long
-        pooled_short, pooled_long = self.pooled_short, self.pooled_long
-        self.d_rows[i] = row = (-1.0 if waiting > 0 else free, admit_wait, local_end, local_inv,
-                                local_max, colo_end, colo_inv, penalty, itl)  # fmt: skip
-        # The row and both keys (DState's first columns) in one write.
-        self.d_state[i, :_ROW_AND_KEYS] = (*row,
-            static + (own_short if own_short < pooled_short else pooled_short),
-            static + (own_long if own_long < pooled_long else pooled_long))  # fmt: skip
-        self.load_sum += running + waiting - self.load[i]
-        self.load[i] = running + waiting
+        raw[:, DLoad.LOAD] = running + waiting
+        self.totals[Totals.LOAD_SUM] = float(raw[:, DLoad.LOAD].sum())
 
     def affinity_pick(self, key: int, pop: int, eps: float) -> int | None:
         """The session ``key``'s decode daemon (a row) among those of PoP ``pop`` (a geometry
@@ -312,14 +270,19 @@ class LoadArrays:
             rows = np.flatnonzero(self.d_pop == pop).tolist()
             ring = self._rings[pop] = (rows, AffinityRing([self.d[r].url for r in rows]))
         rows, r = ring
-        at = r.pick(key, [self.load[i] for i in rows], eps)
+        at = r.pick(key, self.load[rows].tolist(), eps)
         return rows[at] if at is not None else None
 
     def _keys(self) -> None:
         """Pruning keys without the network: a lower bound of each D's cost for a short and a
         long prompt (SLO penalty, admission, cheapest prefill of its own, co-located or pooled)."""
-        self.key_short[:] = self.d_static + np.minimum(self.own_short, self.pooled_short)
-        self.key_long[:] = self.d_static + np.minimum(self.own_long, self.pooled_long)
+        raw, totals = self.d_load, self.totals
+        self.key_short[:] = raw[:, DLoad.STATIC] + np.minimum(
+            raw[:, DLoad.OWN_SHORT], totals[Totals.POOLED_SHORT]
+        )
+        self.key_long[:] = raw[:, DLoad.STATIC] + np.minimum(
+            raw[:, DLoad.OWN_LONG], totals[Totals.POOLED_LONG]
+        )
 
     def _rank_pool(self, t: float) -> None:
         cfg, k = self.cfg, self.cfg.prefill_pool
@@ -328,53 +291,39 @@ class LoadArrays:
         ranked = [np.argsort(q + n * self.p_inv, kind="stable")[:k] for n in sizes]
         self.pool = np.unique(np.concatenate(ranked)).astype(np.intp)
         self.pool_list: list[int] = self.pool.tolist()
-        self.pool_at = {j: k for k, j in enumerate(self.pool.tolist())}
+        self.p_pool = np.full(len(self.p), -1, dtype=np.intp)
+        self.p_pool[self.pool] = np.arange(len(self.pool))
         self.pool_state = np.stack((self.p_end[self.pool], self.p_inv[self.pool]), axis=1)
-        self.pool_end = self.pool_state[:, PState.END]
-        self.pool_inv = self.pool_state[:, PState.S_PER_TOKEN]
         self.d_pool_rtt = self.geo.rtt[:, self.p_pop[self.pool]][self.d_pop]
         self._pooled(t)
+        # What apply_change takes after a change's own figures: the arrays (new with peers and
+        # pool, which this runs after) and the constants.
+        cfg = self.cfg
+        self._update_args = (self.d_load, self.d_state, self.colo_arr, self.colo_ptr,
+                             self.colo_rows, self.p_state, self.p_pool, self.pool_state,
+                             self.totals, cfg.itl_slo_s, float(cfg.mean_output_tokens),
+                             float(self._ns), float(self._nl))  # fmt: skip
 
-    def _pooled(self, t: float) -> bool:
+    def _pooled(self, t: float) -> None:
         """The cheapest pooled prefill for a short and a long prompt: the lower bound that
-        pruning uses for every D. True if it moved (the keys must follow)."""
-        cfg, inv = self.cfg, self.pool_inv
-        q = np.maximum(self.pool_end - t, 0.0)
-        sizes = (cfg.short_prompt_tokens, 4 * cfg.prefill_chunk_tokens)
-        short, long = (float((q + n * inv).min()) if len(self.pool) else math.inf for n in sizes)
-        changed = (short, long) != (self.pooled_short, self.pooled_long)
-        self.pooled_short, self.pooled_long = short, long
-        return changed
+        pruning uses for every D."""
+        bounds = pooled_bounds(self.pool_state, t, float(self._ns), float(self._nl))
+        self.totals[Totals.POOLED_SHORT], self.totals[Totals.POOLED_LONG] = bounds
 
     def apply(self, changes: list[Change], version: int) -> None:
         """Placements (or their ends) since the build: update the rows they touch."""
-        rows: dict[int, float] = {}  # D rows to derive again, and as of when
+        d_of, p_of, arrays = self.d_of, self.p_of, self._update_args
         for url, seqs, kv, prefill, t in changes:
-            if (i := self.d_of.get(url)) is not None:
-                self.running[i] += seqs
-                self.free[i] -= kv
-                if prefill:
-                    end = self.local_end[i]
-                    self.local_end[i] = (max(end, t) if prefill > 0 else end) + (
-                        prefill * self.local_inv[i]
-                    )
-                rows[i] = t
-            if prefill and (j := self.p_of.get(url)) is not None:
-                # An idle daemon starts on new work now; work taken back leaves the rest.
-                end = self.p_end_l[j]
-                end = (max(end, t) if prefill > 0 else end) + prefill * self.p_inv_l[j]
-                self.p_end[j] = self.p_end_l[j] = end
-                if (k := self.pool_at.get(j)) is not None:
-                    self.pool_end[k] = end
-                    # More work only raises the pooled minima, so the bounds stand; less may not.
-                    if prefill < 0 and self._pooled(t):
-                        self._keys()
-                # The decode daemons it is the co-located prefill peer of are priced anew.
-                for row in self.colo_rows.get(j, ()):
-                    rows[row] = t
-        for row, t in rows.items():
-            self._derive(row, t)
+            i = d_of.get(url, -1)
+            j = p_of.get(url, -1) if prefill else -1
+            if i >= 0 or j >= 0:
+                apply_change(i, j, seqs, kv, prefill, t, *arrays)
         self.version = version
+
+    @property
+    def load_sum(self) -> float:
+        """The decode rows' load summed (the load guard's mean)."""
+        return float(self.totals[Totals.LOAD_SUM])
 
     # ---- carried over to the next snapshot ------------------------------------------
     def carry(self, changed: Sequence[DaemonView], now: float | None) -> bool:
@@ -429,20 +378,18 @@ class LoadArrays:
         """Row ``i``'s raw load from its view (``_derive`` turns it into the decision's row)."""
         inv, end, seqs, kv = self._reported(v, now)
         self.d[i] = v
-        self.running[i] = v.running + seqs
-        self.waiting[i] = float(v.waiting)
-        self.free[i] = v.kv_blocks_free * v.block_size - kv
-        self.d_rate[i] = v.decode_tokens_per_s or self.assumed.decode_tokens_per_s
-        self.p50[i] = v.itl_p50_s or self.assumed.itl_s
-        self.measured[i] = v.decode_tokens_per_s > 0
-        self.local_max[i] = math.inf if v.role == "both" else float(v.local_prefill_threshold)
+        self.d_load[i, : DLoad.STATIC] = (
+            v.running + seqs, float(v.waiting), v.kv_blocks_free * v.block_size - kv,
+            v.decode_tokens_per_s or self.assumed.decode_tokens_per_s,
+            v.itl_p50_s or self.assumed.itl_s, float(v.decode_tokens_per_s > 0),
+            math.inf if v.role == "both" else float(v.local_prefill_threshold), inv, end,
+        )  # fmt: skip
         self.d_measured[i] = v.rtt_s or 0.0
-        self.local_inv[i], self.local_end[i] = inv, end
 
     def _reload_p(self, j: int, v: DaemonView, now: float | None) -> None:
         """Prefill daemon ``j``'s rate and queue from its view."""
         inv, end, _, _ = self._reported(v, now)
         self.p[j] = v
         self.p_inv[j] = self.p_inv_l[j] = inv
-        self.p_end[j] = self.p_end_l[j] = end
+        self.p_end[j] = end
         self.p_inv_mean = float(self.p_inv.mean())

@@ -28,7 +28,7 @@ import click
 import uvloop
 from aiohttp import web
 
-from edgeinfer.router import candidate_cut
+from edgeinfer.router import selector
 from edgeinfer.router.app import (
     RouterSetup,
     create_app,
@@ -162,7 +162,7 @@ def main(
         log.warning("no admin_token_file: the admin API (drain, status) refuses every call")
     # Placement's compiled passes: from the disk cache, or compiled once (seconds) before the
     # router listens rather than inside its first request.
-    candidate_cut.warm()
+    selector.warm()
     try:
         # The PoP list is reloaded separately (reload_pops); these are the [router] settings.
         uvloop.run(serve(setup, SettingsReloader(config, load, LOGGING_KEYS)))

@@ -63,7 +63,7 @@ def select_with_prefix(
     key = KEY_SHORT if prompt <= cfg.short_prompt_tokens else KEY_LONG
     # The load guard's bounds (prefix_scoring.under_bound) as scalars: only the candidates'
     # loads are compared with them.
-    load, p_end_l = a.load, a.p_end_l
+    load, p_end = a.load, a.p_end
     d_bound = (1.0 + eps) * (a.load_sum + 1.0) / len(load) + 1.0
     job_s = prompt * a.p_inv_mean
     p_bound = (
@@ -95,7 +95,7 @@ def select_with_prefix(
         if (i := d_of.get(url)) is not None and load[i] <= d_bound:
             d_held.append((blocks, rtt(i), i))
         if (j := p_of.get(url)) is not None:
-            q = p_end_l[j] - t
+            q = float(p_end[j]) - t
             if q <= p_bound:  # (a negative queue is an idle daemon: within the bound)
                 p_held.append((blocks, q if q > 0.0 else 0.0, j))
     sel_l = sorted(set(pruned).union(_best(d_held, kh)))
@@ -103,7 +103,7 @@ def select_with_prefix(
     # Prefill daemons above the bound pair with no decode daemon: left out before pricing.
     pset_l, p_queue = [], []
     for j in sorted(set(a.pool_list).union(colo, _best(p_held, kh))):
-        q = p_end_l[j] - t
+        q = float(p_end[j]) - t
         q = q if q > 0.0 else 0.0
         if q <= p_bound:
             pset_l.append(j)
@@ -149,14 +149,13 @@ def _priced(
     ``p_queue``); with ``d_bound``, rows above it are ranked only if none within can place.
     None: no row can place."""
     prompt = max(1, features.prompt_tokens)
-    d_rows = [a.d_rows[i] for i in d_list]
+    d_rows = a.row_arr[d_list].tolist()
     need = prompt + features.max_tokens
     net_l = [rtt(i) for i in d_list]
     admit_l = [0.0 if r[_FREE] >= need else r[_WAIT] for r in d_rows]
     d_tok, p_tok = tok  # prompt tokens cached, per decode and prefill row holding any
     d_cached = [d_tok.get(i, 0) for i in d_list]
-    load = a.load
-    d_load = [load[i] for i in d_list]
+    d_load = a.load[d_list].tolist()
     d_pop, p_pop, p_inv = a.d_pop_list, a.p_pop_list, a.p_inv_l
     # Per candidate, what price_pairs takes (prefix_pairs prices them). Comprehensions, not
     # one loop of appends: this runs for every decision with prefix hits.

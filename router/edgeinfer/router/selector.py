@@ -48,6 +48,7 @@ import math
 import random
 from collections.abc import Sequence
 
+from edgeinfer.router import candidate_cut, load_update
 from edgeinfer.router.candidate_cut import (
     ITL,
     KEY_LONG,
@@ -69,7 +70,15 @@ from edgeinfer.router.prepared import Prepared, prepared
 
 __all__ = [
     "Placement", "PlacementConfig", "PrefixHits", "RequestFeatures", "record_placement", "select",
+    "warm",
 ]  # fmt: skip
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) the decision's passes and the per-placement
+    updates, so that no request waits for the compiler (seconds)."""
+    candidate_cut.warm()
+    load_update.warm()
 
 
 def select(
@@ -159,7 +168,7 @@ def select(
                 pi = a.pool_list[int(member)]
                 kv_s = kv
             prefill, per_token = a.p[pi], a.p_inv_l[pi]
-            queue = max(a.p_end_l[pi] - t, 0.0)
+            queue = max(float(a.p_end[pi]) - t, 0.0)
             if prefill.url == a.d[di].url:
                 prefill = None  # a `both` daemon chosen as its own prefill peer is local prefill
         compute = prompt * per_token

@@ -191,7 +191,7 @@ class PrefixAwarePolicy:
                             dtype=np.int64)  # fmt: skip
         p_cached = np.array([cached_tokens(prompt, hits.get(v.url, 0), BLOCK_TOKENS) for v in a.p],
                             dtype=np.int64)  # fmt: skip
-        rows = np.asarray(a.d_rows, dtype=np.float64).reshape(len(a.d), 9)
+        rows = a.row_arr
         free, wait, l_end, l_inv, local_max, pen = (rows[:, k] for k in (
             Row.FREE_TOKENS, Row.ADMIT_WAIT_S, Row.LOCAL_END, Row.LOCAL_S_PER_TOKEN,
             Row.LOCAL_MAX_TOKENS, Row.PENALTY,
@@ -212,7 +212,7 @@ class PrefixAwarePolicy:
             p_cached, p_queue, a.p_inv, under_bound(p_queue, job_s, self.eps), self._rtt[1],
             a.d_pop, WORK_WEIGHT,
         )  # fmt: skip
-        load = np.asarray(a.load, dtype=np.float64)
+        load = a.load.copy()
         # Among near-ties, the router prefers what reuses the most (prefix_pairs.choose_vector):
         # the prefill not computed, and the pages D need not receive.
         saved = prompt - prices.computed_tokens + d_cached
