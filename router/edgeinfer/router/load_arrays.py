@@ -375,7 +375,7 @@ class LoadArrays:
         return inv, float(end), seqs, kv
 
     def _reload_d(self, i: int, v: DaemonView, now: float | None) -> None:
-        """Row ``i``'s raw load from its view (``_derive`` turns it into the decision's row)."""
+        """Row ``i``'s raw load from its view (``_derive_all`` turns it into the decision's row)."""
         inv, end, seqs, kv = self._reported(v, now)
         self.d[i] = v
         self.d_load[i, : DLoad.STATIC] = (
