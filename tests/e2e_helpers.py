@@ -124,6 +124,30 @@ def edgectl(router: Proc, *args: str, token: str = TOKEN) -> subprocess.Popen[st
     )
 
 
+def wait_idle(router: Proc, quiet_s: float = 1.0, timeout: float = 60.0) -> None:
+    """Until every daemon the router knows has reported no running, waiting or in-flight
+    request for ``quiet_s``: heartbeats that late show the last request done, and the router's
+    ledger has let its placements go. Geography is then all that sets daemons apart."""
+    deadline = time.monotonic() + timeout
+    since: float | None = None
+    daemons: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        reply = admin(router, "/admin/pops")
+        if reply.status == 200:
+            daemons = [d for p in json.loads(reply.body)["pops"] for d in p["daemons"]]
+            idle = all(not d["running"] and not d["waiting"] and not d["in_flight"]
+                       for d in daemons)  # fmt: skip
+            now = time.monotonic()
+            if not idle:
+                since = None
+            elif since is None:
+                since = now
+            elif now - since >= quiet_s:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"daemons not idle after {timeout}s: {daemons}")
+
+
 def wait_all_up(router: Proc, count: int, timeout: float = 60.0) -> None:
     """Until the router places on ``count`` daemons (discovered, heartbeating, undrained)."""
     deadline = time.monotonic() + timeout
