@@ -16,7 +16,7 @@ import pytest
 
 from edgeinfer.router import load_arrays
 from edgeinfer.router.geo import ClientLocator, GeoPoint
-from edgeinfer.router.load_columns import DLoad
+from edgeinfer.router.load_columns import DLoad, DState
 from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.pop_registry import DaemonView, PopConfig, PopRegistry
 from edgeinfer.router.prepared import prepared
@@ -336,8 +336,8 @@ def test_updates_per_placement_match_a_rebuild() -> None:
     assert live.load_sum == pytest.approx(fresh.load_sum)
     # The pruning keys may lag the pool's minima, but only downwards: still lower bounds.
     assert np.all(live.totals <= fresh.totals + 1e-9)
-    for name in ("key_short", "key_long"):
-        assert np.all(getattr(live, name) <= getattr(fresh, name) + 1e-9)
+    for key in (DState.KEY_SHORT, DState.KEY_LONG):
+        assert np.all(live.d_state[:, key] <= fresh.d_state[:, key] + 1e-9)
 
 
 def test_placements_cancelled_give_back_their_load_as_a_rebuild_reads_it() -> None:

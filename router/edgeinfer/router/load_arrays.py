@@ -5,8 +5,8 @@ from it cost ~1 ms at 600 daemons, so they are built once per snapshot and model
 heartbeats the router's own placements change the load it should price
 (:mod:`edgeinfer.router.inflight`): each one updates only the rows it touches (the decode
 daemon, the prefill daemon and the decode daemons whose co-located prefill peer it is) in one
-compiled call (:mod:`edgeinfer.router.load_update`), which must agree with the vectorized build
-(a test checks it does).
+compiled call (:mod:`edgeinfer.router.load_update`), which derives a row with the code a build
+derives every row with.
 
 Prefill queues are kept as the time they end (``*_end``, on the registry's clock): a daemon works
 through its queue at its rate, so the queue a heartbeat reported is ``end - now`` seconds long a
@@ -51,7 +51,7 @@ import numpy as np
 
 from edgeinfer.router.inflight import Change, PlacementLedger
 from edgeinfer.router.load_columns import DCol, DLoad, DState, PCol, PState, Row, Totals
-from edgeinfer.router.load_update import BIG, apply_change, pooled_bounds
+from edgeinfer.router.load_update import apply_change, derive_all, pooled_bounds
 from edgeinfer.router.network import (
     FloatArray,
     IntArray,
@@ -63,8 +63,6 @@ from edgeinfer.router.session_affinity import AffinityRing
 
 # Carried arrays are built afresh after this long (seconds on the registry's clock).
 REBUILD_S = 1.0
-# d_state's first columns: Row's fields then both keys (an int: IntEnum arithmetic is slow).
-_ROW_AND_KEYS = int(DState.KEY_LONG) + 1
 
 
 def queue_end(reported_at: Any, queued_s: Any, pending_s: Any, pending_end: Any,
@@ -91,7 +89,9 @@ class LoadArrays:
     ) -> None:  # fmt: skip
         self.cfg, self.geo, self.model = cfg, geo, model
         # The pruning keys' reference prompts: short, and four prefill chunks.
-        self._ns, self._nl = cfg.short_prompt_tokens, 4 * cfg.prefill_chunk_tokens
+        self._ns, self._nl = float(cfg.short_prompt_tokens), float(4 * cfg.prefill_chunk_tokens)
+        # What deriving a row takes besides the arrays (load_update).
+        self._consts = (cfg.itl_slo_s, float(cfg.mean_output_tokens), self._ns, self._nl)
         self.pending = pending  # read at decision time too: recent placements break ties
         self.version = pending.version if pending is not None else 0
         self.built_at = now  # the full build's clock (None: no clock), see REBUILD_S
@@ -169,8 +169,6 @@ class LoadArrays:
         # Per D, one row of what a decision reads (DState); the names below are views of it.
         self.d_state: FloatArray = np.zeros((len(d), len(Row) + len(DState)))
         self.row_arr: FloatArray = self.d_state[:, : len(Row)]  # Row's fields
-        self.key_short: FloatArray = self.d_state[:, DState.KEY_SHORT]
-        self.key_long: FloatArray = self.d_state[:, DState.KEY_LONG]
         self.d_xyz: FloatArray = self.d_state[:, DState.X : DState.Z + 1]
         self.d_xyz[:] = geo.xyz[self.d_pop].reshape(len(d), 3)
         self.d_measured: FloatArray = self.d_state[:, DState.MEASURED_RTT_S]
@@ -220,47 +218,8 @@ class LoadArrays:
             self.colo_arr[rows], np.arange(len(self.p) + 1)
         ).astype(np.intp)
         self._rank_pool(t)
-        self._derive_all(t)
-
-    # ---- the vectorized build ----------------------------------------------------------
-    def _derive_all(self, t: float) -> None:
-        cfg, raw = self.cfg, self.d_load
-        running, waiting, free = (raw[:, DLoad.RUNNING], raw[:, DLoad.WAITING],
-                                  raw[:, DLoad.FREE_TOKENS])  # fmt: skip
-        d_rate, p50 = raw[:, DLoad.DECODE_RATE], raw[:, DLoad.ITL_P50_S]
-        measured = raw[:, DLoad.MEASURED] > 0
-        local_max = raw[:, DLoad.LOCAL_MAX_TOKENS]
-        local_inv, local_end = raw[:, DLoad.LOCAL_S_PER_TOKEN], raw[:, DLoad.LOCAL_END]
-        # Aggregate rate R at batch B means a step of B/R; one more sequence makes it (B+1)/R.
-        itl = np.where((running > 0) & measured, (running + 1) / d_rate, p50)
-        penalty = np.where(itl <= cfg.itl_slo_s, 0.0, BIG + itl)
-        admit_wait = (waiting + 1.0) * cfg.mean_output_tokens / d_rate
-        # Requests wait, or what was placed since the heartbeat has used up the free KV.
-        raw[:, DLoad.STATIC] = penalty + np.where((waiting > 0) | (free <= 0), admit_wait, 0.0)
-        local_q = np.maximum(local_end - t, 0.0)
-        colo = self.colo_arr
-        has = colo >= 0
-        colo_end = np.where(has, self.p_end[colo] if len(self.p) else 0.0, math.inf)
-        colo_inv = np.where(has, self.p_inv[colo] if len(self.p) else 0.0, 0.0)
-        colo_q = np.maximum(colo_end - t, 0.0)
-        ns, nl = cfg.short_prompt_tokens, 4 * cfg.prefill_chunk_tokens
-        # Pruning keys: exact at the time of the build or of the row's last update.
-        short_ok, long_ok = (
-            np.where(ns <= local_max, 0.0, math.inf),
-            np.where(nl <= local_max, 0.0, math.inf),
-        )
-        raw[:, DLoad.OWN_SHORT] = np.minimum(local_q + ns * local_inv + short_ok,
-                                             colo_q + ns * colo_inv)  # fmt: skip
-        raw[:, DLoad.OWN_LONG] = np.minimum(local_q + nl * local_inv + long_ok,
-                                            colo_q + nl * colo_inv)  # fmt: skip
-        self._keys()
-        # In the order of Row.
-        free_col = np.where(waiting > 0, -1.0, free)
-        cols = (free_col, admit_wait, local_end, local_inv, local_max, colo_end, colo_inv, penalty,
-                itl)  # fmt: skip
-        self.row_arr[:] = np.stack(cols, axis=1).reshape(len(self.d), len(Row))
-        raw[:, DLoad.LOAD] = running + waiting
-        self.totals[Totals.LOAD_SUM] = float(raw[:, DLoad.LOAD].sum())
+        derive_all(t, self.d_load, self.d_state, self.colo_arr, self.p_state, self.totals,
+                   *self._consts)  # fmt: skip
 
     def affinity_pick(self, key: int, pop: int, eps: float) -> int | None:
         """The session ``key``'s decode daemon (a row) among those of PoP ``pop`` (a geometry
@@ -273,17 +232,6 @@ class LoadArrays:
         at = r.pick(key, self.load[rows].tolist(), eps)
         return rows[at] if at is not None else None
 
-    def _keys(self) -> None:
-        """Pruning keys without the network: a lower bound of each D's cost for a short and a
-        long prompt (SLO penalty, admission, cheapest prefill of its own, co-located or pooled)."""
-        raw, totals = self.d_load, self.totals
-        self.key_short[:] = raw[:, DLoad.STATIC] + np.minimum(
-            raw[:, DLoad.OWN_SHORT], totals[Totals.POOLED_SHORT]
-        )
-        self.key_long[:] = raw[:, DLoad.STATIC] + np.minimum(
-            raw[:, DLoad.OWN_LONG], totals[Totals.POOLED_LONG]
-        )
-
     def _rank_pool(self, t: float) -> None:
         cfg, k = self.cfg, self.cfg.prefill_pool
         q = np.maximum(self.p_end - t, 0.0)
@@ -295,20 +243,15 @@ class LoadArrays:
         self.p_pool[self.pool] = np.arange(len(self.pool))
         self.pool_state = np.stack((self.p_end[self.pool], self.p_inv[self.pool]), axis=1)
         self.d_pool_rtt = self.geo.rtt[:, self.p_pop[self.pool]][self.d_pop]
-        self._pooled(t)
+        # The cheapest pooled prefill for a short and a long prompt: the lower bound that
+        # pruning uses for every D.
+        bounds = pooled_bounds(self.pool_state, t, self._ns, self._nl)
+        self.totals[Totals.POOLED_SHORT], self.totals[Totals.POOLED_LONG] = bounds
         # What apply_change takes after a change's own figures: the arrays (new with peers and
         # pool, which this runs after) and the constants.
-        cfg = self.cfg
         self._update_args = (self.d_load, self.d_state, self.colo_arr, self.colo_ptr,
                              self.colo_rows, self.p_state, self.p_pool, self.pool_state,
-                             self.totals, cfg.itl_slo_s, float(cfg.mean_output_tokens),
-                             float(self._ns), float(self._nl))  # fmt: skip
-
-    def _pooled(self, t: float) -> None:
-        """The cheapest pooled prefill for a short and a long prompt: the lower bound that
-        pruning uses for every D."""
-        bounds = pooled_bounds(self.pool_state, t, float(self._ns), float(self._nl))
-        self.totals[Totals.POOLED_SHORT], self.totals[Totals.POOLED_LONG] = bounds
+                             self.totals, *self._consts)  # fmt: skip
 
     def apply(self, changes: list[Change], version: int) -> None:
         """Placements (or their ends) since the build: update the rows they touch."""
@@ -375,7 +318,7 @@ class LoadArrays:
         return inv, float(end), seqs, kv
 
     def _reload_d(self, i: int, v: DaemonView, now: float | None) -> None:
-        """Row ``i``'s raw load from its view (``_derive_all`` turns it into the decision's row)."""
+        """Row ``i``'s raw load from its view (``derive_all`` turns it into the decision's row)."""
         inv, end, seqs, kv = self._reported(v, now)
         self.d[i] = v
         self.d_load[i, : DLoad.STATIC] = (

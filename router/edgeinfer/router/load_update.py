@@ -8,8 +8,9 @@ peer took the prompt) and, when a pool member's queue shrank, the pruning keys. 
 over numpy scalars that was ~13 us a decision, as much as the decision's own compiled pass; here
 it is one dispatch (~2 us).
 
-:func:`apply_change` must compute what ``LoadArrays._derive_all`` computes for the whole array;
-a test holds the per-placement updates to a rebuild.
+A build derives every row with the same code (:func:`derive_all`), so a row updated placement by
+placement and one built afresh from the same load are computed alike; a test holds the
+per-placement updates to a rebuild.
 """
 
 from __future__ import annotations
@@ -81,6 +82,19 @@ def derive_row(
 
 
 @compiled
+def derive_all(
+    t: float, d_load: FloatArray, d_state: FloatArray, colo: IntArray, p_state: FloatArray,
+    totals: FloatArray, itl_slo_s: float, mean_output: float, ns: float, nl: float,
+) -> None:  # fmt: skip
+    """Every decode row derived (:func:`derive_row`) at ``t``, and the load total summed afresh
+    (a build, or a carry's new peers and pool; ``totals``' pooled bounds must be current)."""
+    totals[_LOAD_SUM] = 0.0
+    for i in range(d_load.shape[0]):
+        d_load[i, _LOAD] = 0.0
+        derive_row(i, t, d_load, d_state, colo, p_state, totals, itl_slo_s, mean_output, ns, nl)
+
+
+@compiled
 def pooled_bounds(pool_state: FloatArray, t: float, ns: float, nl: float) -> tuple[float, float]:
     """The cheapest pooled prefill of a short (``ns``) and a long (``nl``) prompt at ``t``: the
     lower bound that pruning uses for every D."""
@@ -143,5 +157,7 @@ def warm() -> None:
     d_state = np.zeros((1, len(Row) + len(DState)))
     p_state, pool = np.ones((1, len(PState))), np.ones((1, len(PState)))
     ints = np.zeros(1, np.intp)
+    totals = np.zeros(len(Totals))
+    derive_all(0.0, d_load, d_state, ints, p_state, totals, 1.0, 1.0, 1.0, 1.0)
     apply_change(0, 0, 1.0, 1.0, -1.0, 0.0, d_load, d_state, ints, np.array([0, 1], np.intp),
-                 ints, p_state, ints, pool, np.zeros(len(Totals)), 1.0, 1.0, 1.0, 1.0)  # fmt: skip
+                 ints, p_state, ints, pool, totals, 1.0, 1.0, 1.0, 1.0)  # fmt: skip

@@ -156,9 +156,8 @@ def select(
         order.insert(0, lead)
     out = []
     for j in order[:limit]:
-        _, row, net_s, admit, local, colo, best_prefill, queue, per_token, itl, member, kv = priced[
-            j
-        ]
+        (_, row, net_s, admit, local, colo, best_prefill, queue, per_token, itl, member,
+         kv) = priced[j]  # fmt: skip
         di = int(row)
         prefill, kv_s = None, 0.0
         if local != best_prefill:
