@@ -124,26 +124,32 @@ def edgectl(router: Proc, *args: str, token: str = TOKEN) -> subprocess.Popen[st
     )
 
 
+def router_daemons(router: Proc) -> list[dict[str, Any]] | None:
+    """The daemons ``/admin/pops`` lists (None: the router did not answer it yet)."""
+    if router.popen.poll() is not None:
+        raise RuntimeError(f"router exited:\n{router.output()}")
+    reply = admin(router, "/admin/pops")
+    if reply.status != 200:
+        return None
+    return [d for p in json.loads(reply.body)["pops"] for d in p["daemons"]]
+
+
 def wait_idle(router: Proc, quiet_s: float = 1.0, timeout: float = 60.0) -> None:
     """Until every daemon the router knows has reported no running, waiting or in-flight
     request for ``quiet_s``: heartbeats that late show the last request done, and the router's
     ledger has let its placements go. Geography is then all that sets daemons apart."""
     deadline = time.monotonic() + timeout
     since: float | None = None
-    daemons: list[dict[str, Any]] = []
+    daemons: list[dict[str, Any]] | None = None
     while time.monotonic() < deadline:
-        reply = admin(router, "/admin/pops")
-        if reply.status == 200:
-            daemons = [d for p in json.loads(reply.body)["pops"] for d in p["daemons"]]
-            idle = all(not d["running"] and not d["waiting"] and not d["in_flight"]
-                       for d in daemons)  # fmt: skip
-            now = time.monotonic()
-            if not idle:
-                since = None
-            elif since is None:
-                since = now
-            elif now - since >= quiet_s:
-                return
+        daemons = router_daemons(router)
+        now = time.monotonic()
+        if daemons is None or any(d["running"] or d["waiting"] or d["in_flight"] for d in daemons):
+            since = None
+        elif since is None:
+            since = now
+        elif now - since >= quiet_s:
+            return
         time.sleep(0.05)
     raise TimeoutError(f"daemons not idle after {timeout}s: {daemons}")
 
@@ -153,12 +159,9 @@ def wait_all_up(router: Proc, count: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     states: list[str] = []
     while time.monotonic() < deadline:
-        if router.popen.poll() is not None:
-            raise RuntimeError(f"router exited:\n{router.output()}")
-        reply = admin(router, "/admin/pops")
-        if reply.status == 200:
-            pops = json.loads(reply.body)["pops"]
-            states = [d["state"] for p in pops for d in p["daemons"]]
+        daemons = router_daemons(router)
+        if daemons is not None:
+            states = [d["state"] for d in daemons]
             if states.count("up") == count:
                 return
         time.sleep(0.1)
