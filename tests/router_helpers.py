@@ -207,7 +207,10 @@ def write_config(
     settings = {
         "here": '"fra"',
         "admin_token_file": f'"{token_file}"',
-        "heartbeat_interval_s": str(HEARTBEAT_S * 4),
+        # The fakes beat every HEARTBEAT_S; the router calls a daemon lost after 3 periods of
+        # this (1.5 s), longer than a stall of the test process on a loaded host (0.6 s once
+        # cut a request with "the daemon stopped sending heartbeats").
+        "heartbeat_interval_s": str(HEARTBEAT_S * 10),
         "discovery_interval_s": "0.05",
         "request_timeout_s": "30.0",
         **(extra or {}),
