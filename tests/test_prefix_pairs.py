@@ -1,6 +1,7 @@
-"""The pruned scalar pricing of prefix placements (prefix_pairs.choose_scalar) gives the numpy
-pass's choice (prefix_scoring.price_pairs + rank): same decode daemons in the same order, same
-prefill peers, scores and terms to the last bit, same random draws."""
+"""The pruned, compiled pricing of prefix placements (prefix_pairs.choose) gives the numpy
+pass's choice (prefix_pairs.choose_vector: prefix_scoring.price_pairs + rank): same decode
+daemons in the same order, same prefill peers, scores and terms to the last bit, same random
+draws."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgeinfer.router.network import NetworkModel
-from edgeinfer.router.prefix_pairs import Candidates, choose, choose_scalar, choose_vector
+from edgeinfer.router.prefix_pairs import Candidates, choose, choose_vector
 
 NET = NetworkModel()
 
@@ -31,8 +32,11 @@ def candidates(draw: st.DrawFn) -> tuple[Candidates, float, int, int]:
     def cached(n: int) -> list[int]:
         return [r.choice([0, 0, 0, prompt // 2, max(prompt - 1, 0)]) for _ in range(n)]
 
-    geo = np.asarray([[0.0 if a == b else 0.01 + 0.03 * abs(a - b) for b in range(pops)]
-                      for a in range(pops)])  # fmt: skip
+    # Some PoPs at one place (RTT 0 between them, NetworkModel(fixed_rtt_ms=0)): their pairs
+    # are near, as within one PoP.
+    same_place = draw(st.booleans())
+    geo = np.asarray([[0.0 if a == b or (same_place and a + b == 1) else 0.01 + 0.03 * abs(a - b)
+                       for b in range(pops)] for a in range(pops)])  # fmt: skip
     c = Candidates(
         prompt=prompt, kv_bytes_per_token=r.choice([1, 4096, 131_072]),
         chunk_tokens=r.choice([256, 2048]), work_weight=r.choice([0.0, 1.0, 0.5]),
@@ -51,16 +55,16 @@ def candidates(draw: st.DrawFn) -> tuple[Candidates, float, int, int]:
 
 @settings(max_examples=400, deadline=None)
 @given(candidates())
-def test_the_pruned_scalar_path_chooses_as_pricing_every_pair(case) -> None:
+def test_the_pruned_pass_chooses_as_pricing_every_pair(case) -> None:
     c, near_tie, limit, seed = case
     rng_v, rng_s = random.Random(seed), random.Random(seed)
     vector = choose_vector(c, NET, near_tie, rng_v, limit)
-    scalar = choose_scalar(c, NET, near_tie, rng_s, limit)
-    assert scalar == vector
+    pruned = choose(c, NET, near_tie, rng_s, limit)
+    assert pruned == vector
     assert rng_s.getstate() == rng_v.getstate()  # the same draws among near-ties
 
 
-def test_pops_without_rtt_between_them_take_the_vector_path() -> None:
+def test_pops_without_rtt_between_them_are_near() -> None:
     rtt = np.zeros((2, 2))  # two PoPs at one place with NetworkModel(fixed_rtt_ms=0)
     c = Candidates(
         prompt=3000, kv_bytes_per_token=131_072, chunk_tokens=2048, work_weight=1.0,
@@ -68,14 +72,16 @@ def test_pops_without_rtt_between_them_take_the_vector_path() -> None:
         local_s_per_token=[1e-4, 1e-4], local_ok=[False, False], d_load=[0.0, 0.0],
         d_ok=[True, True], d_pop=[0, 1], p_cached=[0, 2000],
         p_queue_s=[0.0, 0.0], p_s_per_token=[1e-4, 1e-4], p_ok=[True, True], p_pop=[0, 1],
-        rtt_s=rtt, apart=False,
+        rtt_s=rtt,
     )  # fmt: skip
-    assert choose(c, NET, 0.02, random.Random(1), 3) == choose_vector(
-        c, NET, 0.02, random.Random(1), 3
-    )
+    got = choose(c, NET, 0.02, random.Random(1), 3)
+    assert got == choose_vector(c, NET, 0.02, random.Random(1), 3)
+    # D in PoP 0 takes P in PoP 1 (its cached 2000 tokens): the pages move at the LAN's rate.
+    lan = NET.kv_exposed_s(NET.kv_link_s(3000 * 131_072, same_pop=True), 0.1, 3000, 2048)
+    assert got[0].prefill == 1 and got[0].kv_s == lan
 
 
-def test_large_candidate_sets_take_the_vector_path_with_the_same_answer() -> None:
+def test_large_candidate_sets_get_the_same_answer() -> None:
     r = random.Random(3)
     n_d, n_p = 40, 60
     c = Candidates(
@@ -90,5 +96,5 @@ def test_large_candidate_sets_take_the_vector_path_with_the_same_answer() -> Non
         rtt_s=np.asarray([[0.0 if a == b else 0.02 for b in range(7)] for a in range(7)]),
     )  # fmt: skip
     got = choose(c, NET, 0.02, random.Random(1), 3)
-    assert got == choose_scalar(c, NET, 0.02, random.Random(1), 3)
+    assert got == choose_vector(c, NET, 0.02, random.Random(1), 3)
     assert len({g.d for g in got}) == 3 and got[1].score_s <= got[2].score_s

@@ -159,5 +159,6 @@ def warm() -> None:
     ints = np.zeros(1, np.intp)
     totals = np.zeros(len(Totals))
     derive_all(0.0, d_load, d_state, ints, p_state, totals, 1.0, 1.0, 1.0, 1.0)
+    pooled_bounds(pool, 0.0, 1.0, 1.0)  # a build's, from Python
     apply_change(0, 0, 1.0, 1.0, -1.0, 0.0, d_load, d_state, ints, np.array([0, 1], np.intp),
                  ints, p_state, ints, pool, totals, 1.0, 1.0, 1.0, 1.0)  # fmt: skip

@@ -17,40 +17,36 @@ show it before they are priced:
 - daemons above the load guard's bound are no candidates (P: no pair; D: ranked only when no D
   within it can place, as before).
 
-What is left (~5 D, ~10 pairs) is priced in plain Python with price_pairs' expressions in its
-order of operations, so scores are equal to the last bit and the choice (ties and the random
-draws among near-ties included) is the one pricing every pair gives: ``tests/test_prefix_pairs.py``
-checks both on random candidates. When nothing prunes (every pair a tie, e.g. idle identical
-daemons) the loop prices every pair at ~0.25 us each; candidate sets above ``SCALAR_MAX_PAIRS``
-(an operator's larger ``decode_candidates`` or ``prefill_pool``) take the numpy pass, whose cost
-is flat.
+What is left (~5 D, ~10 pairs) is priced in one compiled pass (:func:`search`), with
+price_pairs' expressions in its order of operations, so scores are equal to the last bit and the
+choice (ties and the random draws among near-ties included) is the one pricing every pair gives
+(:func:`choose_vector`, the reference): ``tests/test_prefix_pairs.py`` checks both on random
+candidates. A pair is near (the LAN's rate, no RTT) where the RTT between its PoPs is 0, as
+price_pairs has it: D's own PoP, and any PoP at the same place when ``fixed_rtt_ms`` is 0. When
+nothing prunes (every pair a tie, e.g. idle identical daemons) the pass prices every pair, a few
+nanoseconds each.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import random
-from collections.abc import Callable
-from operator import itemgetter
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
-from edgeinfer.router.network import FloatArray, NetworkModel
-from edgeinfer.router.prefix_scoring import price_pairs, rank
+from edgeinfer.router.candidate_cut import compiled
+from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
+from edgeinfer.router.prefix_scoring import BoolArray, price_pairs, rank
 
-# Measured (bench host, loaded): 200 pairs 42 us here vs 72 us numpy; with nothing pruned 512
-# pairs 142 us vs 78 us. Above this the worst case would cost more than twice the numpy pass.
-SCALAR_MAX_PAIRS = 512
 # Bounds are compared with this slack (seconds): the bound and the price round differently, and a
 # pair pruned by rounding would change the choice.
 _SLACK_S = 1e-6
-_INF = math.inf
 
 
 class Candidates(NamedTuple):
-    """A request's candidates as plain lists, one entry per D (``d_*``, ``local_*``) and per P
+    """A request's candidates, lists or arrays, one entry per D (``d_*``, ``local_*``) and per P
     (``p_*``): price_pairs' arguments, with each daemon's PoP for the RTT between them."""
 
     prompt: int
@@ -71,9 +67,6 @@ class Candidates(NamedTuple):
     p_ok: list[bool]
     p_pop: list[int]
     rtt_s: FloatArray  # [PoP, PoP] round trip, 0 within one
-    # Whether every RTT between two PoPs is > 0 (so a pair is "far", price_pairs' rtt > 0, iff
-    # its PoPs differ: the scalar path's bounds rely on it). NetworkModel.fixed_rtt_ms > 0.
-    apart: bool = True
     # This router's recent placements on D (by index into d_*): rank's tie-break at equal loads.
     d_recent: Callable[[int], float] | None = None
 
@@ -96,16 +89,44 @@ def choose(
     c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
 ) -> list[PairChoice]:
     """The best pairs, one per D, best first, at most ``limit`` (as :func:`choose_vector`)."""
-    if not c.apart or len(c.d_base_s) * len(c.p_queue_s) > SCALAR_MAX_PAIRS:
-        return choose_vector(c, net, near_tie_s, rng, limit)
-    return choose_scalar(c, net, near_tie_s, rng, limit)
+    f64, i64 = np.float64, np.int64
+    d_cached, d_load = _arr(c.d_cached, i64), _arr(c.d_load, f64)
+    found = search(
+        int(c.prompt), int(c.kv_bytes_per_token), int(c.chunk_tokens), float(c.work_weight),
+        _arr(c.d_base_s, f64), d_cached, _arr(c.local_queue_s, f64),
+        _arr(c.local_s_per_token, f64), _arr(c.local_ok, np.bool_), _arr(c.d_ok, np.bool_),
+        _arr(c.d_pop, i64), _arr(c.p_cached, i64), _arr(c.p_queue_s, f64),
+        _arr(c.p_s_per_token, f64), _arr(c.p_ok, np.bool_), _arr(c.p_pop, i64),
+        _arr(c.rtt_s, f64), float(net.inter_pop_bytes_per_s), float(net.intra_pop_bytes_per_s),
+        float(near_tie_s), int(limit),
+    )  # fmt: skip
+    return ranked(found.tolist(), c.prompt, d_cached.tolist(), d_load.tolist(), near_tie_s, rng,
+                  limit, c.d_recent)  # fmt: skip
+
+
+def ranked(
+    found: list[list[float]], prompt: int, d_cached: list[int], d_load: list[float],
+    near_tie_s: float, rng: random.Random, limit: int, d_recent: Callable[[int], float] | None,
+) -> list[PairChoice]:  # fmt: skip
+    """:func:`search`'s rows as :func:`rank` orders them, best first, at most ``limit``;
+    ``d_cached`` and ``d_load`` are per D, as the candidates list them."""
+    got = [PairChoice(int(d), int(j), ttft, score, queue, compute, kv, int(tokens))
+           for d, j, ttft, score, queue, compute, kv, tokens in found]  # fmt: skip
+    ds = [g.d for g in got]
+    # What a placement on each D reuses: the prefill not computed, and the pages D need not
+    # receive (as choose_vector).
+    saved = [prompt - g.computed_tokens + d_cached[d] for g, d in zip(got, ds, strict=True)]
+    recent = (lambda k: d_recent(ds[k])) if d_recent is not None else None
+    order = rank([g.score_s for g in got], [d_load[d] for d in ds], [True] * len(got),
+                 near_tie_s, rng, limit, saved, recent)  # fmt: skip
+    return [got[j] for j in order]
 
 
 def choose_vector(
     c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
 ) -> list[PairChoice]:
     """Every pair priced (:func:`price_pairs`), ranked among the D within the load bound (or, if
-    none of them can place, among all)."""
+    none of them can place, among all): the reference :func:`choose` gives the answer of."""
     d_cached = np.asarray(c.d_cached, dtype=np.int64)
     d_pop, p_pop = np.asarray(c.d_pop, dtype=np.intp), np.asarray(c.p_pop, dtype=np.intp)
     prices = price_pairs(
@@ -136,131 +157,200 @@ def choose_vector(
     return out
 
 
-def choose_scalar(
-    c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
-) -> list[PairChoice]:
-    """:func:`choose_vector`'s answer, pricing only the pairs the bounds (module doc) keep."""
+def _arr(x: Sequence[float] | Sequence[int] | Sequence[bool] | npt.NDArray[Any],
+         dtype: type) -> npt.NDArray[Any]:  # fmt: skip
+    """``x`` as the contiguous array the compiled search takes (no copy when it is one)."""
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+# search's answer: one row per decode daemon it can return, in D order (as price_pairs lists
+# them: rank's stable sort breaks equal scores so), PairChoice's fields as floats.
+_FIELDS = 8
+
+
+@compiled
+def search(
+    prompt: int, kvb: int, chunk: int, w: float, d_base: FloatArray, d_cached: IntArray,
+    local_queue: FloatArray, local_spt: FloatArray, local_ok: BoolArray, d_ok: BoolArray,
+    d_pop: IntArray, p_cached: IntArray, p_queue: FloatArray, p_spt: FloatArray,
+    p_ok: BoolArray, p_pop: IntArray, rtt_s: FloatArray, far_bps: float, near_bps: float,
+    near_tie_s: float, limit: int,
+) -> FloatArray:  # fmt: skip
+    """The pairs rank can return, each D's best priced exactly (module doc): among the D within
+    the load bound, or, if none of them can place, among all (rank's fallback)."""
     # P cheapest first by the bound of any pair with it: queue + compute + work (no transfer).
-    w, prompt = c.work_weight, c.prompt
-    ps = []
-    for j, ok, cached, spt, queue, pop in zip(
-        range(len(c.p_ok)), c.p_ok, c.p_cached, c.p_s_per_token, c.p_queue_s, c.p_pop
-    ):
-        if ok:
-            tokens = prompt - cached
-            compute = tokens * spt
-            ps.append((queue + compute + w * compute, j, queue, compute, tokens, pop))
-    ps.sort()
-    got = _search(c, net, ps, c.d_ok, near_tie_s, limit)
-    if not got:  # as rank's fallback: no D within the bound can place, so all are ranked
-        got = _search(c, net, ps, [True] * len(c.d_ok), near_tie_s, limit)
-    if not got:
-        return []
-    got.sort()  # by D, as price_pairs lists them: rank's stable sort breaks equal scores so
-    ds = [g.d for g in got]
-    saved = [prompt - g.computed_tokens + c.d_cached[g.d] for g in got]
-    of = c.d_recent
-    recent = (lambda k: of(ds[k])) if of is not None else None
-    order = rank([g.score_s for g in got], [c.d_load[d] for d in ds], [True] * len(got),
-                 near_tie_s, rng, limit, saved, recent)  # fmt: skip
-    return [got[j] for j in order]
+    # A stable sort: equal bounds keep P's order, as sorting (bound, index) tuples would.
+    keep = np.empty(p_ok.shape[0], np.int64)
+    n_keep = 0
+    for j in range(p_ok.shape[0]):
+        if p_ok[j]:
+            keep[n_keep] = j
+            n_keep += 1
+    keep = keep[:n_keep]
+    p_bound = np.empty(keep.shape[0], np.float64)
+    p_compute = np.empty(keep.shape[0], np.float64)
+    p_tokens = np.empty(keep.shape[0], np.int64)
+    for m in range(keep.shape[0]):
+        j = keep[m]
+        p_tokens[m] = prompt - p_cached[j]
+        p_compute[m] = p_tokens[m] * p_spt[j]
+        p_bound[m] = p_queue[j] + p_compute[m] + w * p_compute[m]
+    order = _stable_order(p_bound)
+    ps = keep[order]
+    ps_bound, ps_compute, ps_tokens = p_bound[order], p_compute[order], p_tokens[order]
+    out = _search(prompt, kvb, chunk, w, d_base, d_cached, local_queue, local_spt, local_ok,
+                  d_ok, d_pop, p_queue, p_pop, rtt_s, far_bps, near_bps, near_tie_s, limit, ps,
+                  ps_bound, ps_compute, ps_tokens)  # fmt: skip
+    if out.shape[0] == 0:
+        out = _search(prompt, kvb, chunk, w, d_base, d_cached, local_queue, local_spt,
+                      local_ok, np.ones(d_ok.shape[0], np.bool_), d_pop, p_queue, p_pop, rtt_s,
+                      far_bps, near_bps, near_tie_s, limit, ps, ps_bound, ps_compute,
+                      ps_tokens)  # fmt: skip
+    return out[_stable_order(out[:, 0])]
 
 
-_P = tuple[float, int, float, float, int, int]  # bound, index, queue, compute, tokens, PoP
+@compiled
+def _stable_order(keys: FloatArray) -> IntArray:
+    """``np.argsort(keys, kind="stable")`` by insertion: a few dozen keys, where numba's merge
+    sort costs seconds to compile."""
+    order = np.arange(keys.shape[0])
+    for k in range(1, keys.shape[0]):
+        at, key = order[k], keys[order[k]]
+        m = k
+        while m > 0 and keys[order[m - 1]] > key:
+            order[m] = order[m - 1]
+            m -= 1
+        order[m] = at
+    return order
 
 
+@compiled
 def _search(
-    c: Candidates, net: NetworkModel, ps: list[_P], allowed: list[bool], near_tie_s: float,
-    limit: int,
-) -> list[PairChoice]:  # fmt: skip
-    """Each allowed D that rank can return, priced exactly (module doc)."""
-    w, prompt, kvb, chunk = c.work_weight, c.prompt, c.kv_bytes_per_token, c.chunk_tokens
-    far_bps, near_bps = net.inter_pop_bytes_per_s, net.intra_pop_bytes_per_s
-    cheapest = ps[0][0] if ps else _INF
-    by_pop: dict[int, list[_P]] = {}  # cheapest first, as ps
-    for e in ps:
-        by_pop.setdefault(e[5], []).append(e)
-    ds = []
-    for i, ok in enumerate(allowed):
-        if not ok:
+    prompt: int, kvb: int, chunk: int, w: float, d_base: FloatArray, d_cached: IntArray,
+    local_queue: FloatArray, local_spt: FloatArray, local_ok: BoolArray, allowed: BoolArray,
+    d_pop: IntArray, p_queue: FloatArray, p_pop: IntArray, rtt_s: FloatArray, far_bps: float,
+    near_bps: float, near_tie_s: float, limit: int, ps: IntArray, ps_bound: FloatArray,
+    ps_compute: FloatArray, ps_tokens: IntArray,
+) -> FloatArray:  # fmt: skip
+    """Each allowed D that rank can return, priced exactly (module doc), in the order found."""
+    inf = np.inf
+    n_d, n_ps = d_base.shape[0], ps.shape[0]
+    cheapest = ps_bound[0] if n_ps else inf
+    # Per D: its floor and price_pairs' terms for it (the transfer: the blocks D lacks move,
+    # at least the last chunk's share of them stays exposed).
+    floor = np.empty(n_d, np.float64)
+    local, local_score = np.empty(n_d, np.float64), np.empty(n_d, np.float64)
+    local_compute, share = np.empty(n_d, np.float64), np.empty(n_d, np.float64)
+    far_link, near_link = np.empty(n_d, np.float64), np.empty(n_d, np.float64)
+    own_first = np.full(n_d, -1, np.int64)  # the cheapest near P (RTT 0), a position in ps
+    rows = np.empty(n_d, np.int64)
+    n = 0
+    for i in range(n_d):
+        if not allowed[i]:
             continue
-        local_tokens = prompt - c.d_cached[i]
-        local_compute = local_tokens * c.local_s_per_token[i]
-        local = c.local_queue_s[i] + local_compute if c.local_ok[i] else _INF
-        local_score = local + w * local_compute
-        # price_pairs' transfer terms for D: the blocks it lacks move (NetworkModel.kv_link_s,
-        # kv_exposed_s); at least the last chunk's share of them stays exposed.
+        local_tokens = prompt - d_cached[i]
+        lc = local_tokens * local_spt[i]
+        lq = local_queue[i] + lc if local_ok[i] else inf
+        ls = lq + w * lc
         moved = float(local_tokens)
         kv_bytes = moved * kvb
-        share = chunk / (moved if moved > 1.0 else 1.0)
-        if share > 1.0:
-            share = 1.0
-        far_link, near_link = kv_bytes / far_bps, kv_bytes / near_bps
-        far_floor, near_floor = far_link * share, near_link * share
-        # The cheapest D could be: P in its PoP (the LAN's share exposed), or any P elsewhere
+        sh = chunk / (moved if moved > 1.0 else 1.0)
+        if sh > 1.0:
+            sh = 1.0
+        fl, nl = kv_bytes / far_bps, kv_bytes / near_bps
+        own = -1
+        for m in range(n_ps):
+            if not rtt_s[d_pop[i], p_pop[ps[m]]] > 0.0:
+                own = m
+                break
+        # The cheapest D could be: P near it (the LAN's share exposed), or any P elsewhere
         # (the far link's share exposed, the RTT on top), or local prefill.
-        own_pop = by_pop.get(c.d_pop[i], ())
-        low = cheapest + far_floor
-        if own_pop and own_pop[0][0] + near_floor < low:
-            low = own_pop[0][0] + near_floor
-        floor = c.d_base_s[i] + (local_score if local_score < low else low)
-        ds.append((floor, i, local, local_score, local_compute, local_tokens, far_link,
-                   near_link, share, far_floor, near_floor, own_pop))  # fmt: skip
-    ds.sort(key=itemgetter(0))
-    scores: list[float] = []  # of the D priced so far, ascending
-    out = []
-    for d in ds:
-        floor, i, local, local_score, local_compute, local_tokens = d[:6]
-        far_link, near_link, share, far_floor, near_floor, own_pop = d[6:]
+        low = cheapest + fl * sh
+        if own >= 0 and ps_bound[own] + nl * sh < low:
+            low = ps_bound[own] + nl * sh
+        floor[i] = d_base[i] + (ls if ls < low else low)
+        local[i], local_score[i], local_compute[i], share[i] = lq, ls, lc, sh
+        far_link[i], near_link[i], own_first[i] = fl, nl, own
+        rows[n] = i
+        n += 1
+    rows = rows[:n]
+    by_floor = rows[_stable_order(floor[rows])]
+    scores = np.empty(n, np.float64)  # of the D priced so far, ascending
+    out = np.empty((n, _FIELDS), np.float64)
+    n_scores = 0
+    for i in by_floor:
         # What rank can still return: the limit-th best, and the best's near-ties.
-        cut = scores[limit - 1] if len(scores) >= limit else _INF
-        if scores and scores[0] + near_tie_s > cut:
+        cut = scores[limit - 1] if n_scores >= limit else inf
+        if n_scores and scores[0] + near_tie_s > cut:
             cut = scores[0] + near_tie_s
-        if floor > cut + _SLACK_S:
+        if floor[i] > cut + _SLACK_S:
             break  # and every D after it
-        base = c.d_base_s[i]
+        base = d_base[i]
         # Pairs priced above lim cannot matter: beyond what rank returns, or above local
         # prefill (ties go local), or above the best pair found.
         lim = cut - base + 2 * _SLACK_S
-        if local_score + _SLACK_S < lim:
-            lim = local_score + _SLACK_S
-        d_pop = c.d_pop[i]
-        rtt_row = c.rtt_s[d_pop]
-        best_s, best_j, best = _INF, -1, None
-        # P in D's own PoP (no RTT), then the others, each cheapest first.
+        if local_score[i] + _SLACK_S < lim:
+            lim = local_score[i] + _SLACK_S
+        dp = d_pop[i]
+        far_floor, near_floor = far_link[i] * share[i], near_link[i] * share[i]
+        best_s, best_j = inf, -1
+        best_total = best_queue = best_compute = best_kv = 0.0
+        best_tokens = 0
+        # The near P (no RTT), then the others, each cheapest first.
         for near in (True, False):
-            for e in own_pop if near else ps:
-                lower = e[0]
+            start = own_first[i] if near else 0
+            if start < 0:
+                continue
+            for m in range(start, n_ps):
+                j = ps[m]
+                lower = ps_bound[m]
+                rtt = rtt_s[dp, p_pop[j]]
+                if near and rtt > 0.0:
+                    continue  # (ps holds every P; the near pass takes those at RTT 0)
                 if lower + (near_floor if near else far_floor) > lim:
                     break
                 if near:
-                    rtt, link = 0.0, near_link
+                    rtt, link = 0.0, near_link[i]
                 else:
-                    if e[5] == d_pop:
+                    if not rtt > 0.0:
                         continue
-                    rtt, link = rtt_row.item(e[5]), far_link
+                    link = far_link[i]
                     if lower + rtt + far_floor > lim:
                         continue
-                _, j, queue, compute, tokens, _ = e
-                hidden, exposed = link - compute, link * share
+                queue, compute = p_queue[j], ps_compute[m]
+                hidden, exposed = link - compute, link * share[i]
                 kv = (hidden if hidden > exposed else exposed) + rtt
                 total = queue + compute + kv
                 score = total + w * compute
                 if score < best_s or (score == best_s and j < best_j):
-                    best_s, best_j, best = score, j, (total, queue, compute, kv, tokens)
+                    best_s, best_j = score, j
+                    best_total, best_queue, best_compute, best_kv = total, queue, compute, kv
+                    best_tokens = ps_tokens[m]
                     if score + _SLACK_S < lim:
                         lim = score + _SLACK_S
-        if local_score <= best_s or best is None:
-            if not local_score < _INF:
+        row = out[n_scores]
+        if local_score[i] <= best_s or best_j < 0:
+            if not local_score[i] < inf:
                 continue  # nothing can prefill for D
-            choice = PairChoice(i, -1, base + local, base + local_score, c.local_queue_s[i],
-                                local_compute, 0.0, local_tokens)  # fmt: skip
+            row[0], row[1], row[2], row[3] = i, -1, base + local[i], base + local_score[i]
+            row[4], row[5], row[6] = local_queue[i], local_compute[i], 0.0
+            row[7] = prompt - d_cached[i]
         else:
-            total, queue, compute, kv, tokens = best
-            choice = PairChoice(i, best_j, base + total, base + best_s, queue, compute, kv,
-                                tokens)  # fmt: skip
-        if choice.score_s > cut + _SLACK_S:
+            row[0], row[1], row[2], row[3] = i, best_j, base + best_total, base + best_s
+            row[4], row[5], row[6], row[7] = best_queue, best_compute, best_kv, best_tokens
+        if row[3] > cut + _SLACK_S:
             continue  # its best lies beyond what rank returns (pairs above were not priced)
-        bisect.insort(scores, choice.score_s)
-        out.append(choice)
-    return out
+        # Insert the score in order (scores before n_scores are sorted).
+        k = n_scores
+        while k > 0 and scores[k - 1] > row[3]:
+            scores[k] = scores[k - 1]
+            k -= 1
+        scores[k] = row[3]
+        n_scores += 1
+    return out[:n_scores]
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) the pair search."""
+    f, i, b = np.zeros(1), np.zeros(1, np.int64), np.ones(1, np.bool_)
+    search(1, 1, 1, 0.0, f, i, f, f, b, b, i, i, f, f, b, i, np.zeros((1, 1)), 1.0, 1.0, 0.0, 1)

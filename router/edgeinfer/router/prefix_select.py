@@ -28,18 +28,19 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgeinfer.router.candidate_cut import KEY_LONG, KEY_SHORT, ClientRtt
+from edgeinfer.router.candidate_cut import KEY_LONG, KEY_SHORT, ClientRtt, compiled
 from edgeinfer.router.load_arrays import LoadArrays
-from edgeinfer.router.load_columns import Row
-from edgeinfer.router.network import NetworkModel
+from edgeinfer.router.load_columns import DLoad, DState, PState, Row
+from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
 from edgeinfer.router.placement import Placement, PlacementConfig, RequestFeatures
-from edgeinfer.router.prefix_pairs import Candidates, choose
+from edgeinfer.router.prefix_pairs import ranked, search
 from edgeinfer.router.prefix_scoring import cached_tokens
 
-# Row's fields as plain ints: an IntEnum member costs an attribute lookup per use.
+# Columns as plain ints, constants to the compiler.
 _FREE, _WAIT, _L_END = int(Row.FREE_TOKENS), int(Row.ADMIT_WAIT_S), int(Row.LOCAL_END)
 _L_SPT, _L_MAX, _PENALTY = int(Row.LOCAL_S_PER_TOKEN), int(Row.LOCAL_MAX_TOKENS), int(Row.PENALTY)
-_ITL = int(Row.ITL_S)
+_ITL, _LOAD = int(Row.ITL_S), int(DLoad.LOAD)
+_P_END, _P_SPT = int(PState.END), int(PState.S_PER_TOKEN)
 
 
 def _best(hits: list[tuple[int, float, int]], k: int) -> list[int]:
@@ -67,7 +68,7 @@ def select_with_prefix(
     d_bound = (1.0 + eps) * (a.load_sum + 1.0) / len(load) + 1.0
     job_s = prompt * a.p_inv_mean
     p_bound = (
-        (1.0 + eps) * (float(np.maximum(a.p_end - t, 0.0).sum()) + job_s) / len(a.p) + job_s
+        (1.0 + eps) * (queued_s(a.p_state, float(t)) + job_s) / len(a.p) + job_s
         if len(a.p)
         else 0.0
     )
@@ -90,98 +91,53 @@ def select_with_prefix(
     # (prefill) first among equal hits: a far holder loses on the network what it saves.
     d_held: list[tuple[int, float, int]] = []
     p_held: list[tuple[int, float, int]] = []
+    # And the prompt tokens each caches: from the few holders, not by asking every candidate.
+    d_tok: dict[int, int] = {}
+    p_tok: dict[int, int] = {}
     d_of, p_of = a.d_of, a.p_of
     for url, blocks in hits.items():
-        if (i := d_of.get(url)) is not None and load[i] <= d_bound:
-            d_held.append((blocks, rtt(i), i))
+        tokens = cached_tokens(prompt, blocks, px.block_size)
+        if (i := d_of.get(url)) is not None:
+            d_tok[i] = tokens
+            if load[i] <= d_bound:
+                d_held.append((blocks, rtt(i), i))
         if (j := p_of.get(url)) is not None:
+            p_tok[j] = tokens
             q = float(p_end[j]) - t
             if q <= p_bound:  # (a negative queue is an idle daemon: within the bound)
                 p_held.append((blocks, q if q > 0.0 else 0.0, j))
     sel_l = sorted(set(pruned).union(_best(d_held, kh)))
     colo = [c for i in sel_l if (c := a.colo[i]) >= 0]
-    # Prefill daemons above the bound pair with no decode daemon: left out before pricing.
-    pset_l, p_queue = [], []
-    for j in sorted(set(a.pool_list).union(colo, _best(p_held, kh))):
-        q = float(p_end[j]) - t
-        q = q if q > 0.0 else 0.0
-        if q <= p_bound:
-            pset_l.append(j)
-            p_queue.append(q)
-    # So are decode daemons above theirs: priced only when none within it can place.
-    d_list = [i for i in sel_l if load[i] <= d_bound]
-    # Tokens each candidate holds: from the few holders, not by asking every candidate.
-    d_tok: dict[int, int] = {}
-    p_tok: dict[int, int] = {}
-    for url, blocks in hits.items():
-        tokens = cached_tokens(prompt, blocks, px.block_size)
-        if (i := d_of.get(url)) is not None:
-            d_tok[i] = tokens
-        if (j := p_of.get(url)) is not None:
-            p_tok[j] = tokens
-    tok = d_tok, p_tok
-    found = (
-        _priced(a, net, rtt, features, cfg, rng, limit, t, d_list, pset_l, p_queue, tok)
-        if d_list
-        else None
-    )
-    if found is None and len(d_list) < len(sel_l):
-        found = _priced(a, net, rtt, features, cfg, rng, limit, t, sel_l, pset_l, p_queue,
-                        tok, d_bound)  # fmt: skip
-    return found or []
-
-
-def _recent_of(a: LoadArrays, d_list: list[int], t: float) -> Callable[[int], float] | None:
-    """Candidate k's recent placements by this router (rank's tie-break; asked for ties only)."""
-    ledger = a.pending
-    if ledger is None:
-        return None
-    return lambda k: ledger.recent(a.d[d_list[k]].url, t)
-
-
-def _priced(
-    a: LoadArrays, net: NetworkModel, rtt: ClientRtt, features: RequestFeatures,
-    cfg: PlacementConfig, rng: random.Random, limit: int, t: float, d_list: list[int],
-    pset_l: list[int], p_queue: list[float], tok: tuple[dict[int, int], dict[int, int]],
-    d_bound: float | None = None,
-) -> list[Placement] | None:  # fmt: skip
-    """Decode rows ``d_list`` priced against prefill rows ``pset_l`` (within the bound, queues
-    ``p_queue``); with ``d_bound``, rows above it are ranked only if none within can place.
-    None: no row can place."""
-    prompt = max(1, features.prompt_tokens)
-    d_rows = a.row_arr[d_list].tolist()
+    # Priced: the decode daemons of sel_l within the load bound (those above it only when none
+    # within can place), against the pool, the peers and the holders (those above the bound
+    # pair with no decode daemon: price_prefix leaves them out before pricing).
+    extra = colo + _best(p_held, kh)
     need = prompt + features.max_tokens
-    net_l = [rtt(i) for i in d_list]
-    admit_l = [0.0 if r[_FREE] >= need else r[_WAIT] for r in d_rows]
-    d_tok, p_tok = tok  # prompt tokens cached, per decode and prefill row holding any
-    d_cached = [d_tok.get(i, 0) for i in d_list]
-    d_load = a.load[d_list].tolist()
-    d_pop, p_pop, p_inv = a.d_pop_list, a.p_pop_list, a.p_inv_l
-    # Per candidate, what price_pairs takes (prefix_pairs prices them). Comprehensions, not
-    # one loop of appends: this runs for every decision with prefix hits.
-    cands = Candidates(
-        prompt, a.kv_bytes_per_token, a.chunk_tokens, cfg.work_weight,
-        [n + ad + r[_PENALTY] for n, ad, r in zip(net_l, admit_l, d_rows)], d_cached,
-        [r[_L_END] - t if r[_L_END] > t else 0.0 for r in d_rows],
-        [r[_L_SPT] for r in d_rows],
-        [prompt - c <= r[_L_MAX] for c, r in zip(d_cached, d_rows)],
-        d_load, [True] * len(d_list) if d_bound is None else [x <= d_bound for x in d_load],
-        [d_pop[i] for i in d_list], [p_tok.get(j, 0) for j in pset_l], p_queue,
-        [p_inv[j] for j in pset_l], [True] * len(pset_l), [p_pop[j] for j in pset_l],
-        a.geo.rtt, net.fixed_rtt_ms > 0, _recent_of(a, d_list, t),
+    net_s = [rtt(i) for i in sel_l]
+    d_cached = [d_tok.get(i, 0) for i in sel_l]
+    i64 = np.int64
+    found, d_info, pset = price_prefix(
+        a.d_state, a.d_load, a.d_pop, a.p_state, a.p_pop, a.pool, np.asarray(extra, dtype=i64),
+        np.asarray(list(p_tok), dtype=i64), np.asarray(list(p_tok.values()), dtype=i64),
+        np.asarray(sel_l, dtype=i64), np.asarray(net_s), np.asarray(d_cached, dtype=i64),
+        a.geo.rtt, float(t), float(need), int(prompt), float(d_bound), float(p_bound),
+        int(a.kv_bytes_per_token), int(a.chunk_tokens), float(cfg.work_weight),
+        float(net.inter_pop_bytes_per_s), float(net.intra_pop_bytes_per_s),
+        float(cfg.near_tie_s), int(limit),
     )  # fmt: skip
-    chosen = choose(cands, net, cfg.near_tie_s, rng, limit)
-    if not chosen:
-        return None
+    info = d_info.tolist()
+    chosen = ranked(found.tolist(), prompt, d_cached, [r[_I_LOAD] for r in info], cfg.near_tie_s,
+                    rng, limit, _recent_of(a, sel_l, t))  # fmt: skip
     out = []
+    p_rows = pset.tolist()
     for ch in chosen:
-        d = a.d[d_list[ch.d]]
-        prefill = a.p[pset_l[ch.prefill]] if ch.prefill >= 0 else None
+        d = a.d[sel_l[ch.d]]
+        prefill = a.p[p_rows[ch.prefill]] if ch.prefill >= 0 else None
         if prefill is not None and prefill.url == d.url:
             prefill = None  # a `both` daemon chosen as its own prefill peer is local prefill
-        itl = d_rows[ch.d][_ITL]
+        admit, itl = info[ch.d][_I_ADMIT], info[ch.d][_I_ITL]
         terms = {
-            "net_s": net_l[ch.d], "admission_s": admit_l[ch.d], "prefill_queue_s": ch.queue_s,
+            "net_s": net_s[ch.d], "admission_s": admit, "prefill_queue_s": ch.queue_s,
             "prefill_compute_s": ch.compute_s, "kv_s": ch.kv_s, "itl_s": itl,
         }  # fmt: skip
         ttft = (
@@ -195,3 +151,109 @@ def _priced(
             computed_tokens=computed,
         ))  # fmt: skip
     return out
+
+
+def _recent_of(a: LoadArrays, d_list: list[int], t: float) -> Callable[[int], float] | None:
+    """Candidate k's recent placements by this router (rank's tie-break; asked for ties only)."""
+    ledger = a.pending
+    if ledger is None:
+        return None
+    return lambda k: ledger.recent(a.d[d_list[k]].url, t)
+
+
+# price_prefix's d_info columns, per decode candidate.
+_I_ADMIT, _I_ITL, _I_LOAD = range(3)
+
+
+@compiled
+def price_prefix(
+    d_state: FloatArray, d_load: FloatArray, d_pop: IntArray, p_state: FloatArray,
+    p_pop: IntArray, pool: IntArray, extra: IntArray, held: IntArray, held_tokens: IntArray,
+    rows: IntArray, net_s: FloatArray, d_cached: IntArray, rtt_s: FloatArray, t: float,
+    need: float, prompt: int, d_bound: float, p_bound: float, kvb: int, chunk: int, w: float,
+    far_bps: float, near_bps: float, near_tie_s: float, limit: int,
+) -> tuple[FloatArray, FloatArray, IntArray]:  # fmt: skip
+    """Decode rows ``rows`` (their client RTTs ``net_s``, prompt tokens cached ``d_cached``)
+    priced against the prefill pool and ``extra`` rows (``held`` rows cache ``held_tokens``),
+    in one pass: prefix_pairs.search's rows (P as a position in ``pset``), per decode row
+    ``d_info`` (_I_ADMIT, _I_ITL, _I_LOAD), and ``pset``."""
+    pset, p_queue, p_spt, p_pop_c, p_cached = _prefill_side(
+        p_state, p_pop, pool, extra, t, p_bound, held, held_tokens
+    )
+    n = rows.shape[0]
+    base, lq, spt = np.empty(n, np.float64), np.empty(n, np.float64), np.empty(n, np.float64)
+    local_ok, ok, pop = np.empty(n, np.bool_), np.empty(n, np.bool_), np.empty(n, np.int64)
+    info = np.empty((n, 3), np.float64)
+    for m in range(n):
+        i = rows[m]
+        admit = 0.0 if d_state[i, _FREE] >= need else d_state[i, _WAIT]
+        base[m] = net_s[m] + admit + d_state[i, _PENALTY]
+        end = d_state[i, _L_END]
+        lq[m] = end - t if end > t else 0.0
+        spt[m] = d_state[i, _L_SPT]
+        local_ok[m] = prompt - d_cached[m] <= d_state[i, _L_MAX]
+        load = d_load[i, _LOAD]
+        ok[m] = load <= d_bound
+        pop[m] = d_pop[i]
+        info[m, _I_ADMIT], info[m, _I_ITL], info[m, _I_LOAD] = admit, d_state[i, _ITL], load
+    found = search(prompt, kvb, chunk, w, base, d_cached, lq, spt, local_ok, ok, pop, p_cached,
+                   p_queue, p_spt, np.ones(pset.shape[0], np.bool_), p_pop_c, rtt_s, far_bps,
+                   near_bps, near_tie_s, limit)  # fmt: skip
+    return found, info, pset
+
+
+@compiled
+def queued_s(p_state: FloatArray, t: float) -> float:
+    """Seconds of prefill queued on every prefill row at ``t`` (the load guard's total)."""
+    total = 0.0
+    for j in range(p_state.shape[0]):
+        q = p_state[j, _P_END] - t
+        if q > 0.0:
+            total += q
+    return total
+
+
+@compiled
+def _prefill_side(
+    p_state: FloatArray, p_pop: IntArray, pool: IntArray, extra: IntArray, t: float,
+    bound: float, held: IntArray, held_tokens: IntArray,
+) -> tuple[IntArray, FloatArray, FloatArray, IntArray, IntArray]:  # fmt: skip
+    """The prefill rows a request's pairs are priced with: the pool and ``extra`` (peers,
+    holders), those whose queue is within ``bound``, in row order; per row its queue, seconds
+    per token, PoP and the prompt tokens it caches (``held`` rows hold ``held_tokens``)."""
+    n = p_state.shape[0]
+    mark = np.zeros(n, np.bool_)
+    for j in pool:
+        mark[j] = True
+    for j in extra:
+        mark[j] = True
+    rows = np.empty(n, np.int64)
+    queue = np.empty(n, np.float64)
+    m = 0
+    for j in range(n):
+        if mark[j]:
+            q = p_state[j, _P_END] - t
+            q = q if q > 0.0 else 0.0
+            if q <= bound:
+                rows[m], queue[m] = j, q
+                m += 1
+    rows, queue = rows[:m], queue[:m]
+    spt, pop, cached = np.empty(m, np.float64), np.empty(m, np.int64), np.zeros(m, np.int64)
+    for k in range(m):
+        spt[k], pop[k] = p_state[rows[k], _P_SPT], p_pop[rows[k]]
+    for h in range(held.shape[0]):  # a few holders
+        for k in range(m):
+            if rows[k] == held[h]:
+                cached[k] = held_tokens[h]
+    return rows, queue, spt, pop, cached
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) the pricing pass."""
+    one, none = np.zeros(1, np.int64), np.zeros(0, np.int64)
+    queued_s(np.zeros((1, len(PState))), 0.0)
+    # Each scalar of the type select_with_prefix casts it to: another type is another compile.
+    price_prefix(np.zeros((1, len(DState) + len(Row))), np.zeros((1, len(DLoad))), one,
+                 np.zeros((1, len(PState))), one, one, none, none, none, one, np.zeros(1), one,
+                 np.zeros((1, 1)), 0.0, 1.0, 1, 1.0, 1.0, 1, 1, 1.0, 1.0, 1.0, 0.0,
+                 1)  # fmt: skip
