@@ -1,20 +1,109 @@
-"""The pruned, compiled pricing of prefix placements (prefix_pairs.choose) gives the numpy
-pass's choice (prefix_pairs.choose_vector: prefix_scoring.price_pairs + rank): same decode
-daemons in the same order, same prefill peers, scores and terms to the last bit, same random
-draws."""
+"""The pruned, compiled pricing of prefix placements (prefix_pairs.search + ranked) gives the
+choice of pricing every pair (prefix_scoring.price_pairs + rank): same decode daemons in the
+same order, same prefill peers, scores and terms to the last bit, same random draws."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.router.network import NetworkModel
-from edgeinfer.router.prefix_pairs import Candidates, choose, choose_vector
+from edgeinfer.router.network import FloatArray, NetworkModel
+from edgeinfer.router.prefix_pairs import PairChoice, ranked, search
+from edgeinfer.router.prefix_scoring import price_pairs, rank
 
 NET = NetworkModel()
+
+
+class Candidates(NamedTuple):
+    """A request's candidates, one entry per D (``d_*``, ``local_*``) and per P (``p_*``):
+    price_pairs' arguments, with each daemon's PoP for the RTT between them."""
+
+    prompt: int
+    kv_bytes_per_token: int
+    chunk_tokens: int
+    work_weight: float
+    d_base_s: list[float]
+    d_cached: list[int]
+    local_queue_s: list[float]
+    local_s_per_token: list[float]
+    local_ok: list[bool]
+    d_load: list[float]
+    d_ok: list[bool]  # within the load guard's bound
+    d_pop: list[int]
+    p_cached: list[int]
+    p_queue_s: list[float]
+    p_s_per_token: list[float]
+    p_ok: list[bool]
+    p_pop: list[int]
+    rtt_s: FloatArray  # [PoP, PoP] round trip, 0 within one
+    # This router's recent placements on D (by index into d_*): rank's tie-break at equal loads.
+    d_recent: Callable[[int], float] | None = None
+
+
+def choose(
+    c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
+) -> list[PairChoice]:
+    """The pruned path, as prefix_select.price_prefix runs it."""
+    f64, i64 = np.float64, np.int64
+    d_cached, d_load = _arr(c.d_cached, i64), _arr(c.d_load, f64)
+    found = search(
+        int(c.prompt), int(c.kv_bytes_per_token), int(c.chunk_tokens), float(c.work_weight),
+        _arr(c.d_base_s, f64), d_cached, _arr(c.local_queue_s, f64),
+        _arr(c.local_s_per_token, f64), _arr(c.local_ok, np.bool_), _arr(c.d_ok, np.bool_),
+        _arr(c.d_pop, i64), _arr(c.p_cached, i64), _arr(c.p_queue_s, f64),
+        _arr(c.p_s_per_token, f64), _arr(c.p_ok, np.bool_), _arr(c.p_pop, i64),
+        _arr(c.rtt_s, f64), float(net.inter_pop_bytes_per_s), float(net.intra_pop_bytes_per_s),
+        float(near_tie_s), int(limit),
+    )  # fmt: skip
+    return ranked(found.tolist(), c.prompt, d_cached.tolist(), d_load.tolist(), near_tie_s, rng,
+                  limit, c.d_recent)  # fmt: skip
+
+
+def choose_vector(
+    c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
+) -> list[PairChoice]:
+    """The reference: every pair priced (price_pairs), ranked among the D within the load bound
+    (or, if none of them can place, among all)."""
+    d_cached = np.asarray(c.d_cached, dtype=np.int64)
+    d_pop, p_pop = np.asarray(c.d_pop, dtype=np.intp), np.asarray(c.p_pop, dtype=np.intp)
+    prices = price_pairs(
+        net, c.prompt, c.kv_bytes_per_token, c.chunk_tokens,
+        np.asarray(c.d_base_s, dtype=np.float64), d_cached,
+        np.asarray(c.local_queue_s, dtype=np.float64),
+        np.asarray(c.local_s_per_token, dtype=np.float64), np.asarray(c.local_ok, dtype=bool),
+        np.asarray(c.p_cached, dtype=np.int64), np.asarray(c.p_queue_s, dtype=np.float64),
+        np.asarray(c.p_s_per_token, dtype=np.float64), np.asarray(c.p_ok, dtype=bool),
+        c.rtt_s[d_pop][:, p_pop], c.work_weight,
+    )  # fmt: skip
+    # What a placement on each D reuses: the prefill not computed, and the pages D need not
+    # receive (a D prefilling its own cached prefix reuses it twice over).
+    saved = c.prompt - prices.computed_tokens + d_cached
+    load = np.asarray(c.d_load, dtype=np.float64)
+    order = rank(prices.score_s, load, np.asarray(c.d_ok, dtype=bool), near_tie_s, rng, limit,
+                 saved, c.d_recent)  # fmt: skip
+    if not order:  # every candidate above the bound: the least bad of them all the same
+        allowed = np.ones(len(load), dtype=bool)
+        order = rank(prices.score_s, load, allowed, near_tie_s, rng, limit, saved, c.d_recent)
+    p = prices
+    out = []
+    for j in order:
+        out.append(PairChoice(
+            j, int(p.prefill[j]), float(p.ttft_s[j]), float(p.score_s[j]), float(p.queue_s[j]),
+            float(p.compute_s[j]), float(p.kv_s[j]), int(p.computed_tokens[j]),
+        ))  # fmt: skip
+    return out
+
+
+def _arr(x: Sequence[float] | Sequence[int] | Sequence[bool] | npt.NDArray[Any],
+         dtype: type) -> npt.NDArray[Any]:  # fmt: skip
+    """``x`` as the contiguous array the compiled search takes (no copy when it is one)."""
+    return np.ascontiguousarray(x, dtype=dtype)
 
 
 @st.composite

@@ -18,10 +18,10 @@ show it before they are priced:
   within it can place, as before).
 
 What is left (~5 D, ~10 pairs) is priced in one compiled pass (:func:`search`), with
-price_pairs' expressions in its order of operations, so scores are equal to the last bit and the
-choice (ties and the random draws among near-ties included) is the one pricing every pair gives
-(:func:`choose_vector`, the reference): ``tests/test_prefix_pairs.py`` checks both on random
-candidates. A pair is near (the LAN's rate, no RTT) where the RTT between its PoPs is 0, as
+price_pairs' expressions in its order of operations, so scores are equal to the last bit, and
+:func:`ranked` orders them as :func:`rank` would all of them: the choice (ties and the random
+draws among near-ties included) is the one pricing every pair gives, which
+``tests/test_prefix_pairs.py`` checks on random candidates against price_pairs and rank. A pair is near (the LAN's rate, no RTT) where the RTT between its PoPs is 0, as
 price_pairs has it: D's own PoP, and any PoP at the same place when ``fixed_rtt_ms`` is 0. When
 nothing prunes (every pair a tie, e.g. idle identical daemons) the pass prices every pair, a few
 nanoseconds each.
@@ -30,49 +30,22 @@ nanoseconds each.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
-import numpy.typing as npt
 
 from edgeinfer.router.candidate_cut import compiled
-from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
-from edgeinfer.router.prefix_scoring import BoolArray, price_pairs, rank
+from edgeinfer.router.network import FloatArray, IntArray
+from edgeinfer.router.prefix_scoring import BoolArray, rank
 
 # Bounds are compared with this slack (seconds): the bound and the price round differently, and a
 # pair pruned by rounding would change the choice.
 _SLACK_S = 1e-6
 
 
-class Candidates(NamedTuple):
-    """A request's candidates, lists or arrays, one entry per D (``d_*``, ``local_*``) and per P
-    (``p_*``): price_pairs' arguments, with each daemon's PoP for the RTT between them."""
-
-    prompt: int
-    kv_bytes_per_token: int
-    chunk_tokens: int
-    work_weight: float
-    d_base_s: list[float]
-    d_cached: list[int]
-    local_queue_s: list[float]
-    local_s_per_token: list[float]
-    local_ok: list[bool]
-    d_load: list[float]
-    d_ok: list[bool]  # within the load guard's bound
-    d_pop: list[int]
-    p_cached: list[int]
-    p_queue_s: list[float]
-    p_s_per_token: list[float]
-    p_ok: list[bool]
-    p_pop: list[int]
-    rtt_s: FloatArray  # [PoP, PoP] round trip, 0 within one
-    # This router's recent placements on D (by index into d_*): rank's tie-break at equal loads.
-    d_recent: Callable[[int], float] | None = None
-
-
 class PairChoice(NamedTuple):
-    """One decode daemon's best pair (indices into the candidates' lists; ``prefill`` -1: D
+    """One decode daemon's best pair (positions among the candidates; ``prefill`` -1: D
     prefills itself) and price_pairs' terms for it."""
 
     d: int
@@ -85,82 +58,23 @@ class PairChoice(NamedTuple):
     computed_tokens: int
 
 
-def choose(
-    c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
-) -> list[PairChoice]:
-    """The best pairs, one per D, best first, at most ``limit`` (as :func:`choose_vector`)."""
-    f64, i64 = np.float64, np.int64
-    d_cached, d_load = _arr(c.d_cached, i64), _arr(c.d_load, f64)
-    found = search(
-        int(c.prompt), int(c.kv_bytes_per_token), int(c.chunk_tokens), float(c.work_weight),
-        _arr(c.d_base_s, f64), d_cached, _arr(c.local_queue_s, f64),
-        _arr(c.local_s_per_token, f64), _arr(c.local_ok, np.bool_), _arr(c.d_ok, np.bool_),
-        _arr(c.d_pop, i64), _arr(c.p_cached, i64), _arr(c.p_queue_s, f64),
-        _arr(c.p_s_per_token, f64), _arr(c.p_ok, np.bool_), _arr(c.p_pop, i64),
-        _arr(c.rtt_s, f64), float(net.inter_pop_bytes_per_s), float(net.intra_pop_bytes_per_s),
-        float(near_tie_s), int(limit),
-    )  # fmt: skip
-    return ranked(found.tolist(), c.prompt, d_cached.tolist(), d_load.tolist(), near_tie_s, rng,
-                  limit, c.d_recent)  # fmt: skip
-
-
 def ranked(
     found: list[list[float]], prompt: int, d_cached: list[int], d_load: list[float],
     near_tie_s: float, rng: random.Random, limit: int, d_recent: Callable[[int], float] | None,
 ) -> list[PairChoice]:  # fmt: skip
     """:func:`search`'s rows as :func:`rank` orders them, best first, at most ``limit``;
-    ``d_cached`` and ``d_load`` are per D, as the candidates list them."""
+    ``d_cached`` and ``d_load`` are per D, as the candidates list them; ``d_recent(d)``: this
+    router's recent placements on D (rank's tie-break at equal loads)."""
     got = [PairChoice(int(d), int(j), ttft, score, queue, compute, kv, int(tokens))
            for d, j, ttft, score, queue, compute, kv, tokens in found]  # fmt: skip
     ds = [g.d for g in got]
     # What a placement on each D reuses: the prefill not computed, and the pages D need not
-    # receive (as choose_vector).
+    # receive (a D prefilling its own cached prefix reuses it twice over).
     saved = [prompt - g.computed_tokens + d_cached[d] for g, d in zip(got, ds, strict=True)]
     recent = (lambda k: d_recent(ds[k])) if d_recent is not None else None
     order = rank([g.score_s for g in got], [d_load[d] for d in ds], [True] * len(got),
                  near_tie_s, rng, limit, saved, recent)  # fmt: skip
     return [got[j] for j in order]
-
-
-def choose_vector(
-    c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
-) -> list[PairChoice]:
-    """Every pair priced (:func:`price_pairs`), ranked among the D within the load bound (or, if
-    none of them can place, among all): the reference :func:`choose` gives the answer of."""
-    d_cached = np.asarray(c.d_cached, dtype=np.int64)
-    d_pop, p_pop = np.asarray(c.d_pop, dtype=np.intp), np.asarray(c.p_pop, dtype=np.intp)
-    prices = price_pairs(
-        net, c.prompt, c.kv_bytes_per_token, c.chunk_tokens,
-        np.asarray(c.d_base_s, dtype=np.float64), d_cached,
-        np.asarray(c.local_queue_s, dtype=np.float64),
-        np.asarray(c.local_s_per_token, dtype=np.float64), np.asarray(c.local_ok, dtype=bool),
-        np.asarray(c.p_cached, dtype=np.int64), np.asarray(c.p_queue_s, dtype=np.float64),
-        np.asarray(c.p_s_per_token, dtype=np.float64), np.asarray(c.p_ok, dtype=bool),
-        c.rtt_s[d_pop][:, p_pop], c.work_weight,
-    )  # fmt: skip
-    # What a placement on each D reuses: the prefill not computed, and the pages D need not
-    # receive (a D prefilling its own cached prefix reuses it twice over).
-    saved = c.prompt - prices.computed_tokens + d_cached
-    load = np.asarray(c.d_load, dtype=np.float64)
-    order = rank(prices.score_s, load, np.asarray(c.d_ok, dtype=bool), near_tie_s, rng, limit,
-                 saved, c.d_recent)  # fmt: skip
-    if not order:  # every candidate above the bound: the least bad of them all the same
-        allowed = np.ones(len(load), dtype=bool)
-        order = rank(prices.score_s, load, allowed, near_tie_s, rng, limit, saved, c.d_recent)
-    p = prices
-    out = []
-    for j in order:
-        out.append(PairChoice(
-            j, int(p.prefill[j]), float(p.ttft_s[j]), float(p.score_s[j]), float(p.queue_s[j]),
-            float(p.compute_s[j]), float(p.kv_s[j]), int(p.computed_tokens[j]),
-        ))  # fmt: skip
-    return out
-
-
-def _arr(x: Sequence[float] | Sequence[int] | Sequence[bool] | npt.NDArray[Any],
-         dtype: type) -> npt.NDArray[Any]:  # fmt: skip
-    """``x`` as the contiguous array the compiled search takes (no copy when it is one)."""
-    return np.ascontiguousarray(x, dtype=dtype)
 
 
 # search's answer: one row per decode daemon it can return, in D order (as price_pairs lists
