@@ -79,7 +79,8 @@ def _processes(workdir: Path, chunks: int) -> Iterator[dict[str, ChildProcess]]:
             cmd = [sys.executable, "-m", "edgeinfer.router.main", "--config", str(config)]
             procs[name] = spawn(name, cmd, workdir=workdir, url=f"http://127.0.0.1:{port}")
         for proc in procs.values():
-            proc.wait_http("/health", 30)  # a router: once the daemon is discovered and beating
+            proc.wait_http("/health", 120)  # a router: once its passes are compiled (cold: ~20 s)
+            # and the daemon is discovered and beating
         yield procs
     finally:
         for proc in reversed(procs.values()):

@@ -14,10 +14,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgeinfer.router.network import FloatArray, NetworkModel
-from edgeinfer.router.prefix_pairs import PairChoice, ranked, search
+from edgeinfer.router.prefix_pairs import draw as draw_first
+from edgeinfer.router.prefix_pairs import rank_found, search
 from edgeinfer.router.prefix_scoring import price_pairs, rank
 
 NET = NetworkModel()
+
+
+class PairChoice(NamedTuple):
+    """One decode daemon's best pair (positions among the candidates; ``prefill`` -1: D
+    prefills itself) and price_pairs' terms for it: a row of prefix_pairs.search."""
+
+    d: int
+    prefill: int
+    ttft_s: float
+    score_s: float
+    queue_s: float
+    compute_s: float
+    kv_s: float
+    computed_tokens: int
 
 
 class Candidates(NamedTuple):
@@ -49,7 +64,7 @@ class Candidates(NamedTuple):
 def choose(
     c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
 ) -> list[PairChoice]:
-    """The pruned path, as prefix_select.price_prefix runs it."""
+    """The pruned path, as prefix_select.place_prefix runs it."""
     f64, i64 = np.float64, np.int64
     d_cached, d_load = _arr(c.d_cached, i64), _arr(c.d_load, f64)
     found = search(
@@ -61,8 +76,13 @@ def choose(
         _arr(c.rtt_s, f64), float(net.inter_pop_bytes_per_s), float(net.intra_pop_bytes_per_s),
         float(near_tie_s), int(limit),
     )  # fmt: skip
-    return ranked(found.tolist(), c.prompt, d_cached.tolist(), d_load.tolist(), near_tie_s, rng,
-                  limit, c.d_recent)  # fmt: skip
+    order, ties = rank_found(found, d_cached, d_load, int(c.prompt), float(near_tie_s))
+    of = c.d_recent
+    rows = found.tolist()
+    recent = (lambda j: of(int(rows[j][0]))) if of is not None else None
+    return [PairChoice(int(d), int(j), ttft, score, queue, compute, kv, int(tokens))
+            for d, j, ttft, score, queue, compute, kv, tokens in
+            (rows[k] for k in draw_first(order.tolist(), ties.tolist(), rng, limit, recent))]  # fmt: skip
 
 
 def choose_vector(
@@ -138,6 +158,9 @@ def candidates(draw: st.DrawFn) -> tuple[Candidates, float, int, int]:
         p_s_per_token=pick([1e-4, 5e-5, 1e-5], n_p), p_ok=[r.random() < 0.85 for _ in range(n_p)],
         p_pop=[r.randrange(pops) for _ in range(n_p)], rtt_s=geo,
     )  # fmt: skip
+    if draw(st.booleans()):  # this router's recent placements break ties at equal loads
+        shares = pick([0.0, 1.0, 2.5], n_d)
+        c = c._replace(d_recent=shares.__getitem__)
     near_tie = draw(st.sampled_from([0.0, 0.005, 0.02, 1.0]))
     return c, near_tie, draw(st.integers(1, 5)), seed
 

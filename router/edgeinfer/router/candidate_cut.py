@@ -33,7 +33,7 @@ from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
 def compiled(fn: Callable[..., Any]) -> Any:
     """``fn`` compiled by numba, its code cached on disk (beside this file, in the user's cache or
     in ``NUMBA_CACHE_DIR``); where none of them is writable numba refuses the cache at import,
-    and the passes are compiled at every start instead (~12 s for all the router's)."""
+    and the passes are compiled at every start instead (~15-20 s for all the router's)."""
     try:
         return njit(cache=True, nogil=True, boundscheck=False)(fn)
     except RuntimeError:

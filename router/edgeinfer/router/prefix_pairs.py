@@ -19,7 +19,8 @@ show it before they are priced:
 
 What is left (~5 D, ~10 pairs) is priced in one compiled pass (:func:`search`), with
 price_pairs' expressions in its order of operations, so scores are equal to the last bit, and
-:func:`ranked` orders them as :func:`rank` would all of them: the choice (ties and the random
+:func:`rank_found` and :func:`draw` order them as :func:`~edgeinfer.router.prefix_scoring.rank`
+would all of them: the choice (ties and the random
 draws among near-ties included) is the one pricing every pair gives, which
 ``tests/test_prefix_pairs.py`` checks on random candidates against price_pairs and rank. A pair is near (the LAN's rate, no RTT) where the RTT between its PoPs is 0, as
 price_pairs has it: D's own PoP, and any PoP at the same place when ``fixed_rtt_ms`` is 0. When
@@ -31,54 +32,39 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
 from edgeinfer.router.candidate_cut import compiled
 from edgeinfer.router.network import FloatArray, IntArray
-from edgeinfer.router.prefix_scoring import BoolArray, rank
+from edgeinfer.router.prefix_scoring import BoolArray
 
 # Bounds are compared with this slack (seconds): the bound and the price round differently, and a
 # pair pruned by rounding would change the choice.
 _SLACK_S = 1e-6
 
 
-class PairChoice(NamedTuple):
-    """One decode daemon's best pair (positions among the candidates; ``prefill`` -1: D
-    prefills itself) and price_pairs' terms for it."""
-
-    d: int
-    prefill: int
-    ttft_s: float
-    score_s: float
-    queue_s: float
-    compute_s: float
-    kv_s: float
-    computed_tokens: int
-
-
-def ranked(
-    found: list[list[float]], prompt: int, d_cached: list[int], d_load: list[float],
-    near_tie_s: float, rng: random.Random, limit: int, d_recent: Callable[[int], float] | None,
-) -> list[PairChoice]:  # fmt: skip
-    """:func:`search`'s rows as :func:`rank` orders them, best first, at most ``limit``;
-    ``d_cached`` and ``d_load`` are per D, as the candidates list them; ``d_recent(d)``: this
-    router's recent placements on D (rank's tie-break at equal loads)."""
-    got = [PairChoice(int(d), int(j), ttft, score, queue, compute, kv, int(tokens))
-           for d, j, ttft, score, queue, compute, kv, tokens in found]  # fmt: skip
-    ds = [g.d for g in got]
-    # What a placement on each D reuses: the prefill not computed, and the pages D need not
-    # receive (a D prefilling its own cached prefix reuses it twice over).
-    saved = [prompt - g.computed_tokens + d_cached[d] for g, d in zip(got, ds, strict=True)]
-    recent = (lambda k: d_recent(ds[k])) if d_recent is not None else None
-    order = rank([g.score_s for g in got], [d_load[d] for d in ds], [True] * len(got),
-                 near_tie_s, rng, limit, saved, recent)  # fmt: skip
-    return [got[j] for j in order]
+def draw(
+    order: list[int], ties: list[int], rng: random.Random, limit: int,
+    recent: Callable[[int], float] | None,
+) -> list[int]:  # fmt: skip
+    """:func:`rank`'s last step on :func:`rank_found`'s answer: among the near-ties left, the
+    one this router sent the least lately (``recent(j)``), else one at random, goes first."""
+    if len(ties) >= 2 and recent is not None:
+        shares = [recent(j) for j in ties]
+        least = min(shares)
+        ties = [j for j, x in zip(ties, shares, strict=True) if x == least]
+    if ties:
+        first = ties[rng.randrange(len(ties))] if len(ties) >= 2 else ties[0]
+        order.remove(first)
+        order.insert(0, first)
+    return order[:limit]
 
 
 # search's answer: one row per decode daemon it can return, in D order (as price_pairs lists
-# them: rank's stable sort breaks equal scores so), PairChoice's fields as floats.
+# them: rank's stable sort breaks equal scores so). D and P are positions among the candidates
+# (P -1: D prefills itself); the rest are price_pairs' terms for the pair.
+D, P, TTFT, SCORE, QUEUE, COMPUTE, KV, COMPUTED = range(8)
 _FIELDS = 8
 
 
@@ -120,7 +106,54 @@ def search(
                       local_ok, np.ones(d_ok.shape[0], np.bool_), d_pop, p_queue, p_pop, rtt_s,
                       far_bps, near_bps, near_tie_s, limit, ps, ps_bound, ps_compute,
                       ps_tokens)  # fmt: skip
-    return out[_stable_order(out[:, 0])]
+    return out[_stable_order(out[:, D])]
+
+
+@compiled
+def rank_found(
+    found: FloatArray, d_cached: IntArray, d_load: FloatArray, prompt: int, near_tie_s: float
+) -> tuple[IntArray, IntArray]:
+    """:func:`rank` on :func:`search`'s rows (``d_cached``, ``d_load``: per D), all but its
+    last step (:func:`draw`): the rows best first, and the near-ties of the best that reuse the
+    most and are the least loaded, from which the draw picks the first."""
+    m = found.shape[0]
+    finite = np.empty(m, np.int64)
+    n = 0
+    for j in range(m):
+        if -np.inf < found[j, SCORE] < np.inf:
+            finite[n] = j
+            n += 1
+    finite = finite[:n]
+    order = finite[_stable_order(found[finite, SCORE])]
+    if n == 0:
+        return order, order
+    limit_s = found[order[0], SCORE] + near_tie_s
+    ties = np.empty(n, np.int64)
+    saved = np.empty(n, np.int64)
+    t = 0
+    for j in order:
+        if found[j, SCORE] <= limit_s:
+            ties[t] = j
+            # What a placement on D reuses: the prefill not computed, and the pages D need not
+            # receive (a D prefilling its own cached prefix reuses it twice over).
+            saved[t] = prompt - int(found[j, COMPUTED]) + d_cached[int(found[j, D])]
+            t += 1
+    most = saved[:t].max()
+    kept = 0
+    for u in range(t):
+        if saved[u] == most:
+            ties[kept] = ties[u]
+            kept += 1
+    if kept >= 2:
+        least = np.inf
+        for u in range(kept):
+            least = min(least, d_load[int(found[ties[u], D])])
+        t, kept = kept, 0
+        for u in range(t):
+            if d_load[int(found[ties[u], D])] == least:
+                ties[kept] = ties[u]
+                kept += 1
+    return order, ties[:kept]
 
 
 @compiled
@@ -265,6 +298,8 @@ def _search(
 
 
 def warm() -> None:
-    """Compile (or load from the disk cache) the pair search."""
+    """Compile (or load from the disk cache) the pair search and its ranking."""
     f, i, b = np.zeros(1), np.zeros(1, np.int64), np.ones(1, np.bool_)
-    search(1, 1, 1, 0.0, f, i, f, f, b, b, i, i, f, f, b, i, np.zeros((1, 1)), 1.0, 1.0, 0.0, 1)
+    found = search(1, 1, 1, 0.0, f, i, f, f, b, b, i, i, f, f, b, i, np.zeros((1, 1)), 1.0, 1.0,
+                   0.0, 1)  # fmt: skip
+    rank_found(found, i, f, 1, 0.0)

@@ -14,6 +14,13 @@ near-ties are broken by load as elsewhere. Candidates above the bound are left o
 pricing (a prefill daemon there pairs with none; a decode daemon there is priced only when none
 within it can place, as ``rank`` falls back), so the choice is the one pricing them all gives.
 
+After the cut (and the index, below), one compiled call (:func:`place_prefix`) does the rest:
+the bounds, the holders, the candidates' rows gathered from the load arrays, the pairs priced
+(:func:`edgeinfer.router.prefix_pairs.search`) and ranked; Python keeps the ledger's recent
+counts and the random draw among near-ties (:func:`~edgeinfer.router.prefix_pairs.draw`) and
+builds the placements. ~15 numpy-sized steps in Python cost ~100 us a decision; the one call
+costs ~10.
+
 The prefix index is asked about candidates only (``PrefixHits.lookup``): the
 ``prefix_lookup_candidates`` best decode daemons by network and static cost (a wider cut than
 the priced one, so a conversation's daemon is found while it is not among the very cheapest),
@@ -24,30 +31,31 @@ is placed as without prefix knowledge.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import numpy as np
 
-from edgeinfer.router.candidate_cut import KEY_LONG, KEY_SHORT, ClientRtt, compiled
+from edgeinfer.router.candidate_cut import KEY_LONG, KEY_SHORT, ClientRtt, compiled, rtt_of
 from edgeinfer.router.load_arrays import LoadArrays
 from edgeinfer.router.load_columns import DLoad, DState, PState, Row
 from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
 from edgeinfer.router.placement import Placement, PlacementConfig, RequestFeatures
-from edgeinfer.router.prefix_pairs import ranked, search
-from edgeinfer.router.prefix_scoring import cached_tokens
+from edgeinfer.router.prefix_pairs import (
+    COMPUTE,
+    COMPUTED,
+    KV,
+    QUEUE,
+    D,
+    P,
+    draw,
+    rank_found,
+    search,
+)
 
 # Columns as plain ints, constants to the compiler.
 _FREE, _WAIT, _L_END = int(Row.FREE_TOKENS), int(Row.ADMIT_WAIT_S), int(Row.LOCAL_END)
 _L_SPT, _L_MAX, _PENALTY = int(Row.LOCAL_S_PER_TOKEN), int(Row.LOCAL_MAX_TOKENS), int(Row.PENALTY)
 _ITL, _LOAD = int(Row.ITL_S), int(DLoad.LOAD)
 _P_END, _P_SPT = int(PState.END), int(PState.S_PER_TOKEN)
-
-
-def _best(hits: list[tuple[int, float, int]], k: int) -> list[int]:
-    """Indices of the ``k`` best holders: most blocks, then the nearest or least queued
-    (entries are (blocks, cost, index))."""
-    hits.sort(key=lambda h: (-h[0], h[1]))
-    return [i for _, _, i in hits[:k]]
 
 
 def select_with_prefix(
@@ -60,18 +68,8 @@ def select_with_prefix(
     if px is None:
         return None
     prompt = max(1, features.prompt_tokens)
-    k, eps = cfg.decode_candidates, cfg.load_eps
+    k = cfg.decode_candidates
     key = KEY_SHORT if prompt <= cfg.short_prompt_tokens else KEY_LONG
-    # The load guard's bounds (prefix_scoring.under_bound) as scalars: only the candidates'
-    # loads are compared with them.
-    load, p_end = a.load, a.p_end
-    d_bound = (1.0 + eps) * (a.load_sum + 1.0) / len(load) + 1.0
-    job_s = prompt * a.p_inv_mean
-    p_bound = (
-        (1.0 + eps) * (queued_s(a.p_state, float(t)) + job_s) / len(a.p) + job_s
-        if len(a.p)
-        else 0.0
-    )
     hits = px.hits
     if px.lookup is not None:
         # The index is asked about the candidates only: the pruned decode daemons of a wider
@@ -86,120 +84,191 @@ def select_with_prefix(
         pruned = rtt.cheapest(key, k)[0].tolist()
     if not hits:
         return None
-    kh = cfg.prefix_candidates
-    # Holders within the bound, the nearest to the client (decode) or the least queued
-    # (prefill) first among equal hits: a far holder loses on the network what it saves.
-    d_held: list[tuple[int, float, int]] = []
-    p_held: list[tuple[int, float, int]] = []
-    # And the prompt tokens each caches: from the few holders, not by asking every candidate.
-    d_tok: dict[int, int] = {}
-    p_tok: dict[int, int] = {}
+    # The holders as rows (-1: not a daemon of that side here) and blocks held.
     d_of, p_of = a.d_of, a.p_of
-    for url, blocks in hits.items():
-        tokens = cached_tokens(prompt, blocks, px.block_size)
-        if (i := d_of.get(url)) is not None:
-            d_tok[i] = tokens
-            if load[i] <= d_bound:
-                d_held.append((blocks, rtt(i), i))
-        if (j := p_of.get(url)) is not None:
-            p_tok[j] = tokens
-            q = float(p_end[j]) - t
-            if q <= p_bound:  # (a negative queue is an idle daemon: within the bound)
-                p_held.append((blocks, q if q > 0.0 else 0.0, j))
-    sel_l = sorted(set(pruned).union(_best(d_held, kh)))
-    colo = [c for i in sel_l if (c := a.colo[i]) >= 0]
-    # Priced: the decode daemons of sel_l within the load bound (those above it only when none
-    # within can place), against the pool, the peers and the holders (those above the bound
-    # pair with no decode daemon: price_prefix leaves them out before pricing).
-    extra = colo + _best(p_held, kh)
-    need = prompt + features.max_tokens
-    net_s = [rtt(i) for i in sel_l]
-    d_cached = [d_tok.get(i, 0) for i in sel_l]
     i64 = np.int64
-    found, d_info, pset = price_prefix(
-        a.d_state, a.d_load, a.d_pop, a.p_state, a.p_pop, a.pool, np.asarray(extra, dtype=i64),
-        np.asarray(list(p_tok), dtype=i64), np.asarray(list(p_tok.values()), dtype=i64),
-        np.asarray(sel_l, dtype=i64), np.asarray(net_s), np.asarray(d_cached, dtype=i64),
-        a.geo.rtt, float(t), float(need), int(prompt), float(d_bound), float(p_bound),
-        int(a.kv_bytes_per_token), int(a.chunk_tokens), float(cfg.work_weight),
-        float(net.inter_pop_bytes_per_s), float(net.intra_pop_bytes_per_s),
-        float(cfg.near_tie_s), int(limit),
+    held_d = np.asarray([d_of.get(url, -1) for url in hits], dtype=i64)
+    held_p = np.asarray([p_of.get(url, -1) for url in hits], dtype=i64)
+    x, y, z = rtt.point
+    cand, found, order, ties, pset = place_prefix(
+        a.d_state, a.d_load, a.d_pop, a.colo_arr, a.p_state, a.p_pop, a.pool, a.geo.rtt,
+        x, y, z, float(rtt.scale), float(rtt.fixed), bool(rtt.use_measured),
+        np.asarray(pruned, dtype=i64),
+        held_d, held_p, np.asarray(list(hits.values()), dtype=i64), int(px.block_size),
+        int(cfg.prefix_candidates), int(prompt), float(prompt + features.max_tokens), float(t),
+        float(a.load_sum), float(cfg.load_eps), float(a.p_inv_mean), int(a.kv_bytes_per_token),
+        int(a.chunk_tokens), float(cfg.work_weight), float(net.inter_pop_bytes_per_s),
+        float(net.intra_pop_bytes_per_s), float(cfg.near_tie_s), int(limit),
     )  # fmt: skip
-    info = d_info.tolist()
-    chosen = ranked(found.tolist(), prompt, d_cached, [r[_I_LOAD] for r in info], cfg.near_tie_s,
-                    rng, limit, _recent_of(a, sel_l, t))  # fmt: skip
+    rows, c = found.tolist(), cand.tolist()
+    ledger = a.pending
+    # rank's tie-break at equal loads: this router's recent placements (asked for ties only).
+    recent = (
+        (lambda j: ledger.recent(a.d[int(c[int(rows[j][D])][_C_ROW])].url, t))
+        if ledger is not None
+        else None
+    )
     out = []
     p_rows = pset.tolist()
-    for ch in chosen:
-        d = a.d[sel_l[ch.d]]
-        prefill = a.p[p_rows[ch.prefill]] if ch.prefill >= 0 else None
+    for j in draw(order.tolist(), ties.tolist(), rng, limit, recent):
+        row = rows[j]
+        dc = c[int(row[D])]
+        d = a.d[int(dc[_C_ROW])]
+        prefill = a.p[p_rows[int(row[P])]] if row[P] >= 0 else None
         if prefill is not None and prefill.url == d.url:
             prefill = None  # a `both` daemon chosen as its own prefill peer is local prefill
-        admit, itl = info[ch.d][_I_ADMIT], info[ch.d][_I_ITL]
+        itl = dc[_C_ITL]
         terms = {
-            "net_s": net_s[ch.d], "admission_s": admit, "prefill_queue_s": ch.queue_s,
-            "prefill_compute_s": ch.compute_s, "kv_s": ch.kv_s, "itl_s": itl,
+            "net_s": dc[_C_NET], "admission_s": dc[_C_ADMIT], "prefill_queue_s": row[QUEUE],
+            "prefill_compute_s": row[COMPUTE], "kv_s": row[KV], "itl_s": itl,
         }  # fmt: skip
         ttft = (
             terms["net_s"] + terms["admission_s"] + terms["prefill_queue_s"]
             + terms["prefill_compute_s"] + terms["kv_s"]
         )  # fmt: skip
-        computed = ch.computed_tokens
+        computed = int(row[COMPUTED])
         out.append(Placement(
             prefill, d, ttft, itl, itl <= cfg.itl_slo_s, terms,
-            prefill_cached=prompt - computed, decode_cached=d_cached[ch.d],
+            prefill_cached=prompt - computed, decode_cached=int(dc[_C_CACHED]),
             computed_tokens=computed,
         ))  # fmt: skip
     return out
 
 
-def _recent_of(a: LoadArrays, d_list: list[int], t: float) -> Callable[[int], float] | None:
-    """Candidate k's recent placements by this router (rank's tie-break; asked for ties only)."""
-    ledger = a.pending
-    if ledger is None:
-        return None
-    return lambda k: ledger.recent(a.d[d_list[k]].url, t)
-
-
-# price_prefix's d_info columns, per decode candidate.
-_I_ADMIT, _I_ITL, _I_LOAD = range(3)
+# place_prefix's cand columns, one row per decode candidate.
+_C_ROW, _C_NET, _C_ADMIT, _C_ITL, _C_LOAD, _C_CACHED = range(6)
 
 
 @compiled
-def price_prefix(
-    d_state: FloatArray, d_load: FloatArray, d_pop: IntArray, p_state: FloatArray,
-    p_pop: IntArray, pool: IntArray, extra: IntArray, held: IntArray, held_tokens: IntArray,
-    rows: IntArray, net_s: FloatArray, d_cached: IntArray, rtt_s: FloatArray, t: float,
-    need: float, prompt: int, d_bound: float, p_bound: float, kvb: int, chunk: int, w: float,
+def place_prefix(
+    d_state: FloatArray, d_load: FloatArray, d_pop: IntArray, colo: IntArray, p_state: FloatArray,
+    p_pop: IntArray, pool: IntArray, rtt_s: FloatArray, px: float, py: float, pz: float,
+    scale: float, fixed: float, use_measured: bool, pruned: IntArray, held_d: IntArray,
+    held_p: IntArray, held_blocks: IntArray, block_size: int, kh: int, prompt: int, need: float,
+    t: float, load_sum: float, eps: float, p_inv_mean: float, kvb: int, chunk: int, w: float,
     far_bps: float, near_bps: float, near_tie_s: float, limit: int,
-) -> tuple[FloatArray, FloatArray, IntArray]:  # fmt: skip
-    """Decode rows ``rows`` (their client RTTs ``net_s``, prompt tokens cached ``d_cached``)
-    priced against the prefill pool and ``extra`` rows (``held`` rows cache ``held_tokens``),
-    in one pass: prefix_pairs.search's rows (P as a position in ``pset``), per decode row
-    ``d_info`` (_I_ADMIT, _I_ITL, _I_LOAD), and ``pset``."""
+) -> tuple[FloatArray, FloatArray, IntArray, IntArray, IntArray]:  # fmt: skip
+    """One prefix placement's candidates, priced and ranked (module doc). The client is
+    ClientRtt's (``px``, ``py``, ``pz``, ``scale``, ``fixed``, ``use_measured``); ``pruned``:
+    the decode rows of its cut; holder ``h`` holds ``held_blocks[h]`` leading blocks and is
+    decode row ``held_d[h]`` and prefill row ``held_p[h]`` (-1: none). Returns the decode
+    candidates (``cand``, _C_* columns), prefix_pairs.search's rows (D: a position in
+    ``cand``, P: a position in ``pset``), rank_found's order and ties, and ``pset``."""
+    n_d, n_p, n_h = d_state.shape[0], p_state.shape[0], held_blocks.shape[0]
+    # The load guard's bounds (prefix_scoring.under_bound) as scalars: only the candidates'
+    # loads are compared with them.
+    d_bound = (1.0 + eps) * (load_sum + 1.0) / n_d + 1.0
+    job_s = prompt * p_inv_mean
+    p_bound = (1.0 + eps) * (queued_s(p_state, t) + job_s) / n_p + job_s if n_p else 0.0
+    # Each holder's cached prompt tokens (the last token is always computed: cached_tokens).
+    tokens = np.empty(n_h, np.int64)
+    for h in range(n_h):
+        tokens[h] = max(0, min(held_blocks[h] * block_size, prompt - 1))
+    # Holders within the bound, the most blocks first, then the nearest to the client (decode)
+    # or the least queued (prefill): a far holder loses on the network what it saves. The
+    # best kh of each side join the candidates.
+    d_keys, d_rows = np.empty(n_h, np.float64), np.empty(n_h, np.int64)
+    p_keys, p_rows = np.empty(n_h, np.float64), np.empty(n_h, np.int64)
+    d_blocks, p_blocks = np.empty(n_h, np.int64), np.empty(n_h, np.int64)
+    nd = np_ = 0
+    for h in range(n_h):
+        i, j = held_d[h], held_p[h]
+        if i >= 0 and d_load[i, _LOAD] <= d_bound:
+            d_rows[nd], d_blocks[nd] = i, held_blocks[h]
+            d_keys[nd] = rtt_of(d_state, i, px, py, pz, scale, fixed, use_measured)
+            nd += 1
+        if j >= 0:
+            q = p_state[j, _P_END] - t
+            if q <= p_bound:  # (a negative queue is an idle daemon: within the bound)
+                p_rows[np_], p_blocks[np_] = j, held_blocks[h]
+                p_keys[np_] = q if q > 0.0 else 0.0
+                np_ += 1
+    best_d = _best(d_rows[:nd], d_blocks[:nd], d_keys[:nd], kh)
+    best_p = _best(p_rows[:np_], p_blocks[:np_], p_keys[:np_], kh)
+    # The decode candidates, in row order: the cut and the best holders.
+    mark = np.zeros(n_d, np.bool_)
+    for i in pruned:
+        mark[i] = True
+    for i in best_d:
+        mark[i] = True
+    n = 0
+    for i in range(n_d):
+        n += mark[i]
+    rows = np.empty(n, np.int64)
+    m = 0
+    for i in range(n_d):
+        if mark[i]:
+            rows[m] = i
+            m += 1
+    # The prefill side: the pool, the candidates' co-located peers, the best holders (those
+    # above the bound pair with no decode daemon: _prefill_side leaves them out).
+    extra = np.empty(n + best_p.shape[0], np.int64)
+    e = 0
+    for i in rows:
+        if colo[i] >= 0:
+            extra[e] = colo[i]
+            e += 1
+    for j in best_p:
+        extra[e] = j
+        e += 1
+    held_rows = np.empty(n_h, np.int64)
+    held_tokens = np.empty(n_h, np.int64)
+    k = 0
+    for h in range(n_h):
+        if held_p[h] >= 0:
+            held_rows[k], held_tokens[k] = held_p[h], tokens[h]
+            k += 1
     pset, p_queue, p_spt, p_pop_c, p_cached = _prefill_side(
-        p_state, p_pop, pool, extra, t, p_bound, held, held_tokens
+        p_state, p_pop, pool, extra[:e], t, p_bound, held_rows[:k], held_tokens[:k]
     )
-    n = rows.shape[0]
+    # Per decode candidate, what price_pairs takes of it. Those above the load bound are
+    # priced only when none within it can place (search's fallback, as rank's).
     base, lq, spt = np.empty(n, np.float64), np.empty(n, np.float64), np.empty(n, np.float64)
     local_ok, ok, pop = np.empty(n, np.bool_), np.empty(n, np.bool_), np.empty(n, np.int64)
-    info = np.empty((n, 3), np.float64)
+    d_cached, load = np.zeros(n, np.int64), np.empty(n, np.float64)
+    cand = np.empty((n, 6), np.float64)
     for m in range(n):
         i = rows[m]
+        for h in range(n_h):
+            if held_d[h] == i:
+                d_cached[m] = tokens[h]
+        net = rtt_of(d_state, i, px, py, pz, scale, fixed, use_measured)
         admit = 0.0 if d_state[i, _FREE] >= need else d_state[i, _WAIT]
-        base[m] = net_s[m] + admit + d_state[i, _PENALTY]
+        base[m] = net + admit + d_state[i, _PENALTY]
         end = d_state[i, _L_END]
         lq[m] = end - t if end > t else 0.0
         spt[m] = d_state[i, _L_SPT]
         local_ok[m] = prompt - d_cached[m] <= d_state[i, _L_MAX]
-        load = d_load[i, _LOAD]
-        ok[m] = load <= d_bound
+        load[m] = d_load[i, _LOAD]
+        ok[m] = load[m] <= d_bound
         pop[m] = d_pop[i]
-        info[m, _I_ADMIT], info[m, _I_ITL], info[m, _I_LOAD] = admit, d_state[i, _ITL], load
+        cand[m, _C_ROW], cand[m, _C_NET], cand[m, _C_ADMIT] = i, net, admit
+        cand[m, _C_ITL], cand[m, _C_LOAD] = d_state[i, _ITL], load[m]
+        cand[m, _C_CACHED] = d_cached[m]
     found = search(prompt, kvb, chunk, w, base, d_cached, lq, spt, local_ok, ok, pop, p_cached,
                    p_queue, p_spt, np.ones(pset.shape[0], np.bool_), p_pop_c, rtt_s, far_bps,
                    near_bps, near_tie_s, limit)  # fmt: skip
-    return found, info, pset
+    order, ties = rank_found(found, d_cached, load, prompt, near_tie_s)
+    return cand, found, order, ties, pset
+
+
+@compiled
+def _best(rows: IntArray, blocks: IntArray, cost: FloatArray, k: int) -> IntArray:
+    """The ``k`` best of ``rows``: most blocks, then the least cost; equal ones in the order
+    given (a stable sort)."""
+    n = rows.shape[0]
+    order = np.arange(n)
+    for a in range(1, n):
+        at = order[a]
+        b = a
+        while b > 0 and (
+            blocks[order[b - 1]] < blocks[at]
+            or (blocks[order[b - 1]] == blocks[at] and cost[order[b - 1]] > cost[at])
+        ):
+            order[b] = order[b - 1]
+            b -= 1
+        order[b] = at
+    return rows[order[:k]]
 
 
 @compiled
@@ -249,11 +318,10 @@ def _prefill_side(
 
 
 def warm() -> None:
-    """Compile (or load from the disk cache) the pricing pass."""
-    one, none = np.zeros(1, np.int64), np.zeros(0, np.int64)
-    queued_s(np.zeros((1, len(PState))), 0.0)
+    """Compile (or load from the disk cache) the placement pass."""
+    one = np.zeros(1, np.int64)
     # Each scalar of the type select_with_prefix casts it to: another type is another compile.
-    price_prefix(np.zeros((1, len(DState) + len(Row))), np.zeros((1, len(DLoad))), one,
-                 np.zeros((1, len(PState))), one, one, none, none, none, one, np.zeros(1), one,
-                 np.zeros((1, 1)), 0.0, 1.0, 1, 1.0, 1.0, 1, 1, 1.0, 1.0, 1.0, 0.0,
-                 1)  # fmt: skip
+    place_prefix(np.zeros((1, len(DState) + len(Row))), np.zeros((1, len(DLoad))), one, one,
+                 np.zeros((1, len(PState))), one, one, np.zeros((1, 1)), 1.0, 0.0, 0.0, 1.0, 0.0,
+                 True, one, one, one, one, 16, 4, 1, 1.0, 0.0, 0.0, 0.25, 1.0, 1, 1, 1.0, 1.0,
+                 1.0, 0.0, 1)  # fmt: skip
