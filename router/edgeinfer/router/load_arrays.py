@@ -209,6 +209,10 @@ class LoadArrays:
                 best[g] = k
         self.colo = [best.get(g, -1) for g in self.d_pop_list]
         self.colo_arr: IntArray = np.asarray(self.colo, dtype=np.intp)
+        # Per D, its URL and its peer's (None: no peer), for the index's questions (asked).
+        p_urls = [v.url for v in self.p]
+        self._d_urls = [v.url for v in self.d]
+        self._colo_urls = [p_urls[c] if c >= 0 else None for c in self.colo]
         # The other way round: P j is the co-located peer of the D rows
         # colo_rows[colo_ptr[j]:colo_ptr[j + 1]] (rows by peer, a CSR pair).
         rows = np.flatnonzero(self.colo_arr >= 0)
@@ -220,6 +224,17 @@ class LoadArrays:
         self._rank_pool(t)
         derive_all(t, self.d_load, self.d_state, self.colo_arr, self.p_state, self.totals,
                    *self._consts)  # fmt: skip
+
+    def asked(self, rows: list[int]) -> set[str]:
+        """The daemons whose caches the prefix index is asked about for decode ``rows``: them,
+        their co-located prefill peers and the prefill pool (prefix_select)."""
+        ask = set(self._pool_urls)
+        d_urls, colo_urls = self._d_urls, self._colo_urls
+        for i in rows:
+            ask.add(d_urls[i])
+            if (c := colo_urls[i]) is not None:
+                ask.add(c)
+        return ask
 
     def affinity_pick(self, key: int, pop: int, eps: float) -> int | None:
         """The session ``key``'s decode daemon (a row) among those of PoP ``pop`` (a geometry
@@ -239,6 +254,7 @@ class LoadArrays:
         ranked = [np.argsort(q + n * self.p_inv, kind="stable")[:k] for n in sizes]
         self.pool = np.unique(np.concatenate(ranked)).astype(np.intp)
         self.pool_list: list[int] = self.pool.tolist()
+        self._pool_urls = frozenset(self.p[j].url for j in self.pool_list)
         self.p_pool = np.full(len(self.p), -1, dtype=np.intp)
         self.p_pool[self.pool] = np.arange(len(self.pool))
         self.pool_state = np.stack((self.p_end[self.pool], self.p_inv[self.pool]), axis=1)

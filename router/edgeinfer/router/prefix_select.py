@@ -75,10 +75,7 @@ def select_with_prefix(
         # The index is asked about the candidates only: the pruned decode daemons of a wider
         # cut, their co-located prefill peers and the prefill pool.
         wide_l = rtt.cheapest(key, max(cfg.prefix_lookup_candidates, k))[0].tolist()
-        ask = {a.d[i].url for i in wide_l}
-        ask.update(a.p[j].url for j in a.pool_list)
-        ask.update(a.p[c].url for i in wide_l if (c := a.colo[i]) >= 0)
-        hits = px.lookup(ask)
+        hits = px.lookup(a.asked(wide_l))
         pruned = wide_l[:k]  # the wide cut is cheapest first
     else:
         pruned = rtt.cheapest(key, k)[0].tolist()
