@@ -239,6 +239,7 @@ def bench_decisions(args: argparse.Namespace) -> dict[str, Any]:
         "decisions_per_s_churn_median": round(statistics.median(churn)),
         "decisions_per_s_prefix_hits": round(max(with_prefix)),
         "decisions_per_s_prefix_hits_median": round(statistics.median(with_prefix)),
+        "decisions_per_s_prefix_hits_churn": round(max(prefix_churn)),
         "decisions_per_s_prefix_hits_churn_median": round(statistics.median(prefix_churn)),
         "decisions_per_s_prefix_index_median": round(statistics.median(with_index)),
         "prefix_index_daemons_asked_mean": via_index(),
