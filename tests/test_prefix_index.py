@@ -91,6 +91,15 @@ def test_the_filter_passes_every_key_held_and_few_others() -> None:
     assert 0 < passed < 0.13 * len(others)  # false positives exist and are searched
     assert all(index.lookup(keys(n)) == {} for n in range(5000, 15000, 7))
     assert index.nbytes() >= 8 * 5000 + 5000  # the array and at least a byte a key of filter
+    # Keys stored since the array was built pass the filter too (a miss is a key not held)...
+    index.apply(A, key_array(keys(*range(5000, 5100))), key_array([]))
+    assert len(h.added) == 100 and h.bloom is index._daemons[A].bloom
+    added = key_array(keys(*range(5000, 5100))).tolist()
+    assert all(h.bloom[(k & h.mask) >> 3] >> (k & 7) & 1 for k in added)
+    assert all(index.lookup(keys(n)) == {A: 1} for n in range(5000, 5100))
+    # ...and a daemon known from events alone (no array, no filter yet) is found by its set.
+    index.apply(B, key_array(keys(7)), key_array([]))
+    assert index.lookup(keys(7, 8)) == {A: 2, B: 1}
 
 
 @settings(max_examples=60, deadline=None)

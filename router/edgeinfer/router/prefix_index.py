@@ -7,8 +7,9 @@ per daemon, how many leading blocks it holds (the prompt tokens it would not rec
 Size: 700 daemons x 200k blocks is 140M (key, daemon) pairs, mostly distinct (salts keep
 tenants apart). A Python dict or set costs ~100 bytes per entry (14 GB), so each daemon's keys
 are a sorted ``uint64`` numpy array (8 bytes per block: 1.1 GB at that size) with a Bloom
-filter of 1-2 bytes per block (it answers most first probes, misses, without a numpy call),
-plus two small Python sets of changes since the array was built, merged into it once they reach
+filter of 1-2 bytes per block, of the array and of the keys added since (it answers most first
+probes, misses, without a numpy call or a set probe), plus two small Python sets of changes
+since the array was built, merged into it once they reach
 1/8 of it (a linear merge, so an event costs O(1) amortised). Keys are truncated to their first
 8 bytes: a false hit needs a 64-bit collision among a daemon's 200k keys (~1e-14 per lookup) and
 would only misplace a request, never corrupt one (the daemon matches full 16-byte keys).
@@ -42,17 +43,17 @@ def sorted_keys(keys: bytes | Sequence[bytes]) -> U64Array:
     return np.unique(key_array(keys))
 
 
-def _bloom(base: U64Array) -> tuple[bytes, int]:
+def _bloom(base: U64Array) -> tuple[bytearray, int]:
     """A one-hash Bloom filter of ``base`` and its mask: bit ``key & mask`` is set for each key.
     8-16 bits a key, so 6-12% of absent keys pass (keys are hashes: their low bits are uniform);
     a miss costs a byte read instead of a numpy call (~1 us), and most daemons asked about a
     prompt miss its first block."""
     if not len(base):
-        return b"", 0
+        return bytearray(), 0
     bits = 1 << max(6, (8 * len(base) - 1).bit_length())
     flags = np.zeros(bits, dtype=bool)
     flags[(base & np.uint64(bits - 1)).astype(np.intp)] = True
-    return np.packbits(flags, bitorder="little").tobytes(), bits - 1
+    return bytearray(np.packbits(flags, bitorder="little").tobytes()), bits - 1
 
 
 def _contains(base: U64Array, q: U64Array) -> npt.NDArray[np.bool_]:
@@ -70,7 +71,9 @@ class _Holdings:
 
     def __init__(self, base: U64Array) -> None:
         self.base = base
-        self.bloom, self.mask = _bloom(base)  # of base only: added is a set, probed as such
+        # Of base, and of the keys added since (their bits set as they come): a miss is a key
+        # not held. Empty with base (then added is probed as a set).
+        self.bloom, self.mask = _bloom(base)
         self.added: set[int] = set()  # present, not in base
         self.removed: set[int] = set()  # in base, gone
 
@@ -83,11 +86,15 @@ class _Holdings:
                 self.removed.add(key)
             else:
                 self.added.discard(key)
+        bloom, mask = self.bloom, self.mask
         for key, in_base in zip(stored.tolist(), _contains(self.base, stored).tolist()):
             if in_base:
                 self.removed.discard(key)
             else:
                 self.added.add(key)
+                if bloom:
+                    b = key & mask
+                    bloom[b >> 3] |= 1 << (b & 7)
         if len(self.added) + len(self.removed) > max(_MIN_MERGE, len(self.base) // 8):
             self.merge()
 
@@ -111,9 +118,12 @@ class _Holdings:
     def has(self, key: int, q: U64Array, i: int) -> bool:
         """Whether ``key`` (== ``q[i]``) is held: the filter, one scalar search, two set
         probes."""
-        b = key & self.mask
-        if not (self.bloom and self.bloom[b >> 3] >> (b & 7) & 1):
+        bloom = self.bloom
+        if not bloom:
             return key in self.added
+        b = key & self.mask
+        if not bloom[b >> 3] >> (b & 7) & 1:
+            return False
         base = self.base
         pos = int(base.searchsorted(q[i]))
         in_base = pos < len(base) and base.item(pos) == key
@@ -193,14 +203,18 @@ class PrefixIndex:
             # Most daemons miss the first block: that probe inline, as has() does it (the
             # filter first, the array only if it passes; calling has() cost a 40-daemon lookup
             # 12-20% more), the rest in leading().
-            b = first & h.mask
-            if h.bloom and h.bloom[b >> 3] >> (b & 7) & 1:
+            bloom = h.bloom
+            if bloom:
+                b = first & h.mask
+                if not bloom[b >> 3] >> (b & 7) & 1:
+                    continue  # held neither in base nor since (the filter covers both)
                 base = h.base
                 pos = base.searchsorted(q0)
                 held = pos < len(base) and base.item(pos) == first and first not in h.removed
+                held = held or first in h.added
             else:
-                held = False
-            if held or first in h.added:
+                held = first in h.added
+            if held:
                 hits[name] = h.leading(q, qlist)
         return hits
 
