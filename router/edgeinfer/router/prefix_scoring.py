@@ -174,8 +174,9 @@ def rank(
     of two daemons by chance stays a hot spot for the conversation's life (with 12 conversations
     over 3 daemons, two random choices left one daemon 1.38x the mean). The loads include this
     router's own placements at once (the ledger), so it does not herd onto one daemon between
-    heartbeats. Arrays (every daemon, the simulator) or lists (a few candidates,
-    :mod:`edgeinfer.router.prefix_pairs`)."""
+    heartbeats. Arrays (every daemon, the simulator) or lists. The router's prefix path runs
+    this order compiled (:func:`edgeinfer.router.prefix_pairs.rank_found` and ``draw``), which
+    ``tests/test_prefix_pairs.py`` holds to this function."""
     if isinstance(ttft_s, np.ndarray):
         idx = np.flatnonzero(np.asarray(allowed) & np.isfinite(ttft_s))
         if not len(idx):
