@@ -9,8 +9,8 @@ tenants apart). A Python dict or set costs ~100 bytes per entry (14 GB), so each
 are a sorted ``uint64`` numpy array (8 bytes per block: 1.1 GB at that size) with a Bloom
 filter of 1-2 bytes per block, of the array and of the keys added since (it answers most first
 probes, misses, without a numpy call or a set probe), plus two small Python sets of changes
-since the array was built, merged into it once they reach
-1/8 of it (a linear merge, so an event costs O(1) amortised). Keys are truncated to their first
+since the array was built, merged into it once they reach 1/8 of it (a linear merge, so an
+event costs O(1) amortised). Keys are truncated to their first
 8 bytes: a false hit needs a 64-bit collision among a daemon's 200k keys (~1e-14 per lookup) and
 would only misplace a request, never corrupt one (the daemon matches full 16-byte keys).
 """

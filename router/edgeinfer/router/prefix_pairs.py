@@ -20,12 +20,12 @@ show it before they are priced:
 What is left (~5 D, ~10 pairs) is priced in one compiled pass (:func:`search`), with
 price_pairs' expressions in its order of operations, so scores are equal to the last bit, and
 :func:`rank_found` and :func:`draw` order them as :func:`~edgeinfer.router.prefix_scoring.rank`
-would all of them: the choice (ties and the random
-draws among near-ties included) is the one pricing every pair gives, which
-``tests/test_prefix_pairs.py`` checks on random candidates against price_pairs and rank. A pair is near (the LAN's rate, no RTT) where the RTT between its PoPs is 0, as
-price_pairs has it: D's own PoP, and any PoP at the same place when ``fixed_rtt_ms`` is 0. When
-nothing prunes (every pair a tie, e.g. idle identical daemons) the pass prices every pair, a few
-nanoseconds each.
+would all of them: the choice (ties and the random draws among near-ties included) is the one
+pricing every pair gives, which ``tests/test_prefix_pairs.py`` checks on random candidates
+against price_pairs and rank. A pair is near (the LAN's rate, no RTT) where the RTT between its
+PoPs is 0, as price_pairs has it: D's own PoP, and any PoP at the same place when
+``fixed_rtt_ms`` is 0. When nothing prunes (every pair a tie, e.g. idle identical daemons) the
+pass prices every pair, a few nanoseconds each.
 """
 
 from __future__ import annotations
@@ -279,27 +279,20 @@ def _search(
         if local_score[i] <= best_s or best_j < 0:
             if not local_score[i] < inf:
                 continue  # nothing can prefill for D
-            row[0], row[1], row[2], row[3] = i, -1, base + local[i], base + local_score[i]
-            row[4], row[5], row[6] = local_queue[i], local_compute[i], 0.0
-            row[7] = prompt - d_cached[i]
+            row[D], row[P], row[TTFT], row[SCORE] = i, -1, base + local[i], base + local_score[i]
+            row[QUEUE], row[COMPUTE], row[KV] = local_queue[i], local_compute[i], 0.0
+            row[COMPUTED] = prompt - d_cached[i]
         else:
-            row[0], row[1], row[2], row[3] = i, best_j, base + best_total, base + best_s
-            row[4], row[5], row[6], row[7] = best_queue, best_compute, best_kv, best_tokens
-        if row[3] > cut + _SLACK_S:
+            row[D], row[P], row[TTFT], row[SCORE] = i, best_j, base + best_total, base + best_s
+            row[QUEUE], row[COMPUTE], row[KV] = best_queue, best_compute, best_kv
+            row[COMPUTED] = best_tokens
+        if row[SCORE] > cut + _SLACK_S:
             continue  # its best lies beyond what rank returns (pairs above were not priced)
         # Insert the score in order (scores before n_scores are sorted).
         k = n_scores
-        while k > 0 and scores[k - 1] > row[3]:
+        while k > 0 and scores[k - 1] > row[SCORE]:
             scores[k] = scores[k - 1]
             k -= 1
-        scores[k] = row[3]
+        scores[k] = row[SCORE]
         n_scores += 1
     return out[:n_scores]
-
-
-def warm() -> None:
-    """Compile (or load from the disk cache) the pair search and its ranking."""
-    f, i, b = np.zeros(1), np.zeros(1, np.int64), np.ones(1, np.bool_)
-    found = search(1, 1, 1, 0.0, f, i, f, f, b, b, i, i, f, f, b, i, np.zeros((1, 1)), 1.0, 1.0,
-                   0.0, 1)  # fmt: skip
-    rank_found(found, i, f, 1, 0.0)

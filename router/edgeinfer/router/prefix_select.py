@@ -50,6 +50,7 @@ from edgeinfer.router.prefix_pairs import (
     rank_found,
     search,
 )
+from edgeinfer.router.prefix_scoring import cached_tokens
 
 # Columns as plain ints, constants to the compiler.
 _FREE, _WAIT, _L_END = int(Row.FREE_TOKENS), int(Row.ADMIT_WAIT_S), int(Row.LOCAL_END)
@@ -81,17 +82,20 @@ def select_with_prefix(
         pruned = rtt.cheapest(key, k)[0].tolist()
     if not hits:
         return None
-    # The holders as rows (-1: not a daemon of that side here) and blocks held.
+    # The holders as rows (-1: not a daemon of that side here), blocks held and the prompt
+    # tokens those spare.
     d_of, p_of = a.d_of, a.p_of
     i64 = np.int64
     held_d = np.asarray([d_of.get(url, -1) for url in hits], dtype=i64)
     held_p = np.asarray([p_of.get(url, -1) for url in hits], dtype=i64)
+    blocks = list(hits.values())
+    tokens = [cached_tokens(prompt, b, px.block_size) for b in blocks]
     x, y, z = rtt.point
     cand, found, order, ties, pset = place_prefix(
         a.d_state, a.d_load, a.d_pop, a.colo_arr, a.p_state, a.p_pop, a.pool, a.geo.rtt,
         x, y, z, float(rtt.scale), float(rtt.fixed), bool(rtt.use_measured),
         np.asarray(pruned, dtype=i64),
-        held_d, held_p, np.asarray(list(hits.values()), dtype=i64), int(px.block_size),
+        held_d, held_p, np.asarray(blocks, dtype=i64), np.asarray(tokens, dtype=i64),
         int(cfg.prefix_candidates), int(prompt), float(prompt + features.max_tokens), float(t),
         float(a.load_sum), float(cfg.load_eps), float(a.p_inv_mean), int(a.kv_bytes_per_token),
         int(a.chunk_tokens), float(cfg.work_weight), float(net.inter_pop_bytes_per_s),
@@ -133,7 +137,7 @@ def select_with_prefix(
 
 
 # place_prefix's cand columns, one row per decode candidate.
-_C_ROW, _C_NET, _C_ADMIT, _C_ITL, _C_LOAD, _C_CACHED = range(6)
+_C_ROW, _C_NET, _C_ADMIT, _C_ITL, _C_CACHED = range(5)
 
 
 @compiled
@@ -141,14 +145,16 @@ def place_prefix(
     d_state: FloatArray, d_load: FloatArray, d_pop: IntArray, colo: IntArray, p_state: FloatArray,
     p_pop: IntArray, pool: IntArray, rtt_s: FloatArray, px: float, py: float, pz: float,
     scale: float, fixed: float, use_measured: bool, pruned: IntArray, held_d: IntArray,
-    held_p: IntArray, held_blocks: IntArray, block_size: int, kh: int, prompt: int, need: float,
+    held_p: IntArray, held_blocks: IntArray, held_tokens: IntArray, kh: int, prompt: int,
+    need: float,
     t: float, load_sum: float, eps: float, p_inv_mean: float, kvb: int, chunk: int, w: float,
     far_bps: float, near_bps: float, near_tie_s: float, limit: int,
 ) -> tuple[FloatArray, FloatArray, IntArray, IntArray, IntArray]:  # fmt: skip
     """One prefix placement's candidates, priced and ranked (module doc). The client is
     ClientRtt's (``px``, ``py``, ``pz``, ``scale``, ``fixed``, ``use_measured``); ``pruned``:
-    the decode rows of its cut; holder ``h`` holds ``held_blocks[h]`` leading blocks and is
-    decode row ``held_d[h]`` and prefill row ``held_p[h]`` (-1: none). Returns the decode
+    the decode rows of its cut; holder ``h`` holds ``held_blocks[h]`` leading blocks, sparing
+    ``held_tokens[h]`` prompt tokens, and is decode row ``held_d[h]`` and prefill row
+    ``held_p[h]`` (-1: none). Returns the decode
     candidates (``cand``, _C_* columns), prefix_pairs.search's rows (D: a position in
     ``cand``, P: a position in ``pset``), rank_found's order and ties, and ``pset``."""
     n_d, n_p, n_h = d_state.shape[0], p_state.shape[0], held_blocks.shape[0]
@@ -156,11 +162,7 @@ def place_prefix(
     # loads are compared with them.
     d_bound = (1.0 + eps) * (load_sum + 1.0) / n_d + 1.0
     job_s = prompt * p_inv_mean
-    p_bound = (1.0 + eps) * (queued_s(p_state, t) + job_s) / n_p + job_s if n_p else 0.0
-    # Each holder's cached prompt tokens (the last token is always computed: cached_tokens).
-    tokens = np.empty(n_h, np.int64)
-    for h in range(n_h):
-        tokens[h] = max(0, min(held_blocks[h] * block_size, prompt - 1))
+    p_bound = (1.0 + eps) * (_queued_s(p_state, t) + job_s) / n_p + job_s if n_p else 0.0
     # Holders within the bound, the most blocks first, then the nearest to the client (decode)
     # or the least queued (prefill): a far holder loses on the network what it saves. The
     # best kh of each side join the candidates.
@@ -208,27 +210,20 @@ def place_prefix(
     for j in best_p:
         extra[e] = j
         e += 1
-    held_rows = np.empty(n_h, np.int64)
-    held_tokens = np.empty(n_h, np.int64)
-    k = 0
-    for h in range(n_h):
-        if held_p[h] >= 0:
-            held_rows[k], held_tokens[k] = held_p[h], tokens[h]
-            k += 1
     pset, p_queue, p_spt, p_pop_c, p_cached = _prefill_side(
-        p_state, p_pop, pool, extra[:e], t, p_bound, held_rows[:k], held_tokens[:k]
+        p_state, p_pop, pool, extra[:e], t, p_bound, held_p, held_tokens
     )
     # Per decode candidate, what price_pairs takes of it. Those above the load bound are
     # priced only when none within it can place (search's fallback, as rank's).
     base, lq, spt = np.empty(n, np.float64), np.empty(n, np.float64), np.empty(n, np.float64)
     local_ok, ok, pop = np.empty(n, np.bool_), np.empty(n, np.bool_), np.empty(n, np.int64)
     d_cached, load = np.zeros(n, np.int64), np.empty(n, np.float64)
-    cand = np.empty((n, 6), np.float64)
+    cand = np.empty((n, 5), np.float64)
     for m in range(n):
         i = rows[m]
         for h in range(n_h):
             if held_d[h] == i:
-                d_cached[m] = tokens[h]
+                d_cached[m] = held_tokens[h]
         net = rtt_of(d_state, i, px, py, pz, scale, fixed, use_measured)
         admit = 0.0 if d_state[i, _FREE] >= need else d_state[i, _WAIT]
         base[m] = net + admit + d_state[i, _PENALTY]
@@ -240,8 +235,7 @@ def place_prefix(
         ok[m] = load[m] <= d_bound
         pop[m] = d_pop[i]
         cand[m, _C_ROW], cand[m, _C_NET], cand[m, _C_ADMIT] = i, net, admit
-        cand[m, _C_ITL], cand[m, _C_LOAD] = d_state[i, _ITL], load[m]
-        cand[m, _C_CACHED] = d_cached[m]
+        cand[m, _C_ITL], cand[m, _C_CACHED] = d_state[i, _ITL], d_cached[m]
     found = search(prompt, kvb, chunk, w, base, d_cached, lq, spt, local_ok, ok, pop, p_cached,
                    p_queue, p_spt, np.ones(pset.shape[0], np.bool_), p_pop_c, rtt_s, far_bps,
                    near_bps, near_tie_s, limit)  # fmt: skip
@@ -269,7 +263,7 @@ def _best(rows: IntArray, blocks: IntArray, cost: FloatArray, k: int) -> IntArra
 
 
 @compiled
-def queued_s(p_state: FloatArray, t: float) -> float:
+def _queued_s(p_state: FloatArray, t: float) -> float:
     """Seconds of prefill queued on every prefill row at ``t`` (the load guard's total)."""
     total = 0.0
     for j in range(p_state.shape[0]):
@@ -286,7 +280,8 @@ def _prefill_side(
 ) -> tuple[IntArray, FloatArray, FloatArray, IntArray, IntArray]:  # fmt: skip
     """The prefill rows a request's pairs are priced with: the pool and ``extra`` (peers,
     holders), those whose queue is within ``bound``, in row order; per row its queue, seconds
-    per token, PoP and the prompt tokens it caches (``held`` rows hold ``held_tokens``)."""
+    per token, PoP and the prompt tokens it caches (``held`` rows hold ``held_tokens``; -1
+    entries are no prefill row)."""
     n = p_state.shape[0]
     mark = np.zeros(n, np.bool_)
     for j in pool:
@@ -307,7 +302,7 @@ def _prefill_side(
     spt, pop, cached = np.empty(m, np.float64), np.empty(m, np.int64), np.zeros(m, np.int64)
     for k in range(m):
         spt[k], pop[k] = p_state[rows[k], _P_SPT], p_pop[rows[k]]
-    for h in range(held.shape[0]):  # a few holders
+    for h in range(held.shape[0]):  # a few holders (-1 matches no row)
         for k in range(m):
             if rows[k] == held[h]:
                 cached[k] = held_tokens[h]
@@ -320,5 +315,5 @@ def warm() -> None:
     # Each scalar of the type select_with_prefix casts it to: another type is another compile.
     place_prefix(np.zeros((1, len(DState) + len(Row))), np.zeros((1, len(DLoad))), one, one,
                  np.zeros((1, len(PState))), one, one, np.zeros((1, 1)), 1.0, 0.0, 0.0, 1.0, 0.0,
-                 True, one, one, one, one, 16, 4, 1, 1.0, 0.0, 0.0, 0.25, 1.0, 1, 1, 1.0, 1.0,
+                 True, one, one, one, one, one, 4, 1, 1.0, 0.0, 0.0, 0.25, 1.0, 1, 1, 1.0, 1.0,
                  1.0, 0.0, 1)  # fmt: skip

@@ -48,7 +48,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from edgeinfer.router import candidate_cut, load_update, prefix_pairs, prefix_select
+from edgeinfer.router import candidate_cut, load_update, prefix_select
 from edgeinfer.router.candidate_cut import (
     ITL,
     KEY_LONG,
@@ -79,8 +79,7 @@ def warm() -> None:
     updates, so that no request waits for the compiler (seconds)."""
     candidate_cut.warm()
     load_update.warm()
-    prefix_select.warm()
-    prefix_pairs.warm()
+    prefix_select.warm()  # and the pair search it calls
 
 
 def select(

@@ -213,7 +213,7 @@ class PrefixAwarePolicy:
             a.d_pop, WORK_WEIGHT,
         )  # fmt: skip
         load = a.load.copy()
-        # Among near-ties, the router prefers what reuses the most (prefix_pairs.ranked):
+        # Among near-ties, the router prefers what reuses the most (prefix_pairs.rank_found):
         # the prefill not computed, and the pages D need not receive.
         saved = prompt - prices.computed_tokens + d_cached
         order = rank(prices.score_s, load, under_bound(load, 1.0, self.eps), cfg.near_tie_s,
