@@ -104,6 +104,8 @@ def compare(
         "ttft_p90_lower_x": blind["ttft_s"]["p90"] / aware["ttft_s"]["p90"],
         "hit_rate_points_below_pooled": 100 * below_pooled,
         "decode_max_mean": aware["load_max_mean"]["decode"],
+        # The same over seconds spent decoding: requests of ten tokens and of a thousand differ.
+        "decode_busy_max_mean": aware["load_max_mean"]["decode_busy"],
         # Of the hits, blocks prefill daemons received from their decode daemons.
         "pulled_points": 100 * prefix["pulled_block_rate"],
         "kv_gb_pulled": prefix["kv_gb_pulled"],

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from edgeinfer.ctl.main import cli
 from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.prefix_scoring import cached_tokens, leading_hits, under_bound
 from edgeinfer.sim import SimError, prefix_policies
-from edgeinfer.sim.metrics import summary
+from edgeinfer.sim.metrics import load_balance, summary
 from edgeinfer.sim.prefix_cache import FleetCaches, hit_rate_bounds
 from edgeinfer.sim.scenario import WorkloadSpec, run
 from edgeinfer.sim.simulator import SimConfig, SimResult
@@ -265,3 +266,17 @@ def test_trace_error_is_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["sim", "--trace", str(path)])
     assert result.exit_code == 1
     assert "bad.jsonl:1" in result.output
+
+
+def test_decode_balance_counts_requests_and_decoding_seconds() -> None:
+    """Three short answers on one daemon and one long one on the other: the request counts are
+    uneven (3 against 1), the seconds spent decoding are not."""
+    engine = {"busy_s": 2.0, "prefill_s": 0.0, "decode_s": 2.0, "prompt_tokens": 0.0,
+              "generated_tokens": 90.0}  # fmt: skip
+    res = SimpleNamespace(
+        engines=[{**engine, "role": "decode"}, {**engine, "role": "decode"},
+                 {**engine, "role": "prefill", "decode_s": 0.0, "prompt_tokens": 10.0}],
+        requests={"decode": np.array([0, 0, 0, 1]), "status": np.zeros(4, dtype=np.int8)},
+    )  # fmt: skip
+    balance = load_balance(res)  # type: ignore[arg-type]
+    assert balance == {"decode": 1.5, "decode_busy": 1.0, "prefill": 1.0}

@@ -6,8 +6,10 @@ every token, so gaps are the same at the client). Goodput is requests per second
 window that finished within both SLOs; failed, rejected and unfinished requests count against
 it, which is the point of measuring goodput rather than throughput.
 
-Load balance is max / mean over the decode-capable engines of the requests each decoded, and
-over the prefill-capable ones of the prompt tokens each computed. On prefix-sharing workloads
+Load balance is max / mean over the decode-capable engines of the requests each decoded and of
+the seconds each spent decoding (a request of ten tokens and one of a thousand count alike in
+the first, not in the second), and over the prefill-capable ones of the prompt tokens each
+computed. On prefix-sharing workloads
 the block hit rate (blocks a prefill found in its engine's cache or received from its decode
 engine / blocks asked; the latter also apart, as the pulled rate) is reported beside what an infinite cache and one pooled cache of the fleet's KV would have hit.
 """
@@ -91,15 +93,20 @@ def _max_mean(x: np.ndarray) -> float | None:
 
 
 def load_balance(res: SimResult) -> dict[str, float | None]:
-    """Max / mean per engine: requests decoded (decode-capable engines), prompt tokens
-    computed (prefill-capable engines)."""
+    """Max / mean per engine: requests decoded and seconds spent decoding (decode-capable
+    engines), prompt tokens computed (prefill-capable engines)."""
     roles = [e["role"] for e in res.engines]
     placed = res.requests["decode"][res.requests["status"] != REJECTED]
     decoded = np.bincount(placed, minlength=len(roles))
     d = np.array([r in ("decode", "both") for r in roles])
     p = np.array([r in ("prefill", "both") for r in roles])
     tokens = np.array([e["prompt_tokens"] for e in res.engines])
-    return {"decode": _max_mean(decoded[d]), "prefill": _max_mean(tokens[p])}
+    decode_s = np.array([e["decode_s"] for e in res.engines])
+    return {
+        "decode": _max_mean(decoded[d]),
+        "decode_busy": _max_mean(decode_s[d]),
+        "prefill": _max_mean(tokens[p]),
+    }
 
 
 def prefix_hits(res: SimResult) -> dict[str, float] | None:

@@ -48,6 +48,7 @@ PREFIX_FIELDS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("pulled_block_rate", "pulled", lambda v: f"{v:.1%}"),
     ("pooled_cache_bound", "pooled bound", lambda v: f"{v:.1%}"),
     ("decode_max_mean", "D max/mean", lambda v: "-" if v is None else f"{v:.2f}"),
+    ("decode_busy_max_mean", "D busy", lambda v: "-" if v is None else f"{v:.2f}"),
 )
 
 
@@ -87,6 +88,7 @@ def _prefix_row(s: Mapping[str, Any]) -> dict[str, Any]:
         "pulled_block_rate": prefix["pulled_block_rate"],
         "pooled_cache_bound": prefix["pooled_cache_bound"],
         "decode_max_mean": s["load_max_mean"]["decode"],
+        "decode_busy_max_mean": s["load_max_mean"]["decode_busy"],
     }
 
 
