@@ -36,11 +36,12 @@ from rich.table import Table
 
 from edgeinfer.daemon.engine.attention_backend import attention_backend
 from edgeinfer.daemon.engine.fused_decode import FusedDecode
-from edgeinfer.daemon.engine.kernel_trials import Sizes, fused_trials, projections, trial_sets
+from edgeinfer.daemon.engine.kernel_trials import fused_trials, projections, trial_sets
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout
 from edgeinfer.daemon.engine.linear import linear
 from edgeinfer.daemon.engine.model import CausalLM
 from edgeinfer.daemon.engine.model_config import ModelConfig
+from edgeinfer.daemon.engine.trial_set import Sizes
 from edgeinfer.kernels import kernel_choice, native_build
 from edgeinfer.kernels.kernel_choice import Chooser, SizeRoute, Trial, measure
 

@@ -17,7 +17,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from daemon_helpers import daemon_config, start
-from edgeinfer.daemon.engine import cpu_attention, kernel_trials, model_runner
+from edgeinfer.daemon.engine import (
+    attention_trials,
+    cpu_attention,
+    kernel_trials,
+    model_runner,
+    trial_set,
+)
 from edgeinfer.daemon.engine import linear as linear_module
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.llm_engine import LLMEngine
@@ -181,7 +187,7 @@ def test_the_engine_routes_each_kernel_by_its_verdicts(tmp_path, monkeypatch, ke
     monkeypatch.setattr(decoder_pointwise, "silu_mul", _slowed(decoder_pointwise.silu_mul))
     monkeypatch.setattr(native.PreparedDecode, "__call__", _slowed(native.PreparedDecode.__call__))
     monkeypatch.setattr(
-        kernel_trials, "prefill_attention_cpu", _slowed(kernel_trials.prefill_attention_cpu)
+        attention_trials, "prefill_attention_cpu", _slowed(attention_trials.prefill_attention_cpu)
     )
     # And the fused decode path loses everywhere, which would otherwise keep every panel for
     # itself. Its verdict is given, not timed (test_fused_decode times it): on this tiny model a
@@ -263,7 +269,7 @@ def test_bf16_projections_are_timed_in_bf16_and_a_slowed_kernel_is_not_chosen(
     groups = kernel_trials.projections(model)
     assert groups and all(w.panels.dtype == torch.bfloat16 for g in groups.values() for _, w in g)
     monkeypatch.setattr(skinny_gemm, "skinny_linear", _slowed(skinny_gemm.skinny_linear))
-    sizes = kernel_trials.Sizes(torch.bfloat16, block_size=16, max_num_seqs=8, max_tokens=64)
+    sizes = trial_set.Sizes(torch.bfloat16, block_size=16, max_num_seqs=8, max_tokens=64)
     chooser = Chooser(1, path=tmp_path / "c.json")
     sets = kernel_trials.skinny_sets(model, sizes)
     assert len(sets) == len(groups)
@@ -272,3 +278,31 @@ def test_bf16_projections_are_timed_in_bf16_and_a_slowed_kernel_is_not_chosen(
         s.apply(SizeRoute({size: chooser.decide(t).chosen for size, t, _ in s.trials}))
     kernel_trials.release_panels(model, None)
     assert kernel_trials.projections(model) == {}  # every bf16 copy lost, its panels given back
+
+
+def test_grouped_prefill_is_timed_after_a_prefix_and_routes_by_chunk(tmp_path, monkeypatch):
+    """The grouped layout's trials attend chunks after PREFIX_CONTEXT cached tokens; their
+    verdicts route chunks after a prefix by size, and a cache without a route repeats heads."""
+    cfg = ModelConfig.from_dict(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96}
+        | {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+        | {"vocab_size": 300, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+    )
+    sizes = trial_set.Sizes(torch.float32, block_size=16, max_num_seqs=8, max_tokens=2048)
+    (grouped,) = attention_trials.grouped_sets(cfg, sizes)
+    assert [size for size, _, _ in grouped.trials] == [16, 64, 256, 1024]
+    assert all(f"after {attention_trials.PREFIX_CONTEXT}" in t.case for _, t, _ in grouped.trials)
+    # What each trial times computes the same attention both ways.
+    baseline, kernel = grouped.trials[0][1].setup()
+    torch.testing.assert_close(kernel(), baseline())
+    q, k_cache = torch.zeros(100, 4, 16), torch.zeros(1, 16, 2, 16)
+    assert not cpu_attention.prefill_grouped(q, k_cache)  # never timed: heads repeated
+    try:
+        grouped.apply(SizeRoute({16: True, 64: True, 256: False, 1024: False}))
+        assert cpu_attention.prefill_grouped(q[:64], k_cache)
+        assert not cpu_attention.prefill_grouped(q[:100], k_cache)
+    finally:
+        cpu_attention.set_grouped_route(torch.float32, 2 * 2 * 16, None)
+    # Nothing to group where each KV head has one query head.
+    mha = dataclasses.replace(cfg, num_kv_heads=4)
+    assert attention_trials.grouped_sets(mha, sizes) == []

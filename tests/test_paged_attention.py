@@ -6,6 +6,7 @@ otherwise they skip.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -182,7 +183,12 @@ def test_cpu_decode_plan_sorted_rows_are_slices():
         paged_decode_attention_cpu(q[:2], k_cache, v_cache, tables, lens, 0.5, plan)
 
 
-PREFILLS = {"ref": paged_prefill_attention_ref, "cpu": paged_prefill_attention_cpu}
+PREFILLS = {
+    "ref": paged_prefill_attention_ref,
+    "cpu": paged_prefill_attention_cpu,
+    # A KV head's query heads as rows of one matrix after a prefix (heads repeated before it).
+    "cpu_grouped": functools.partial(paged_prefill_attention_cpu, grouped=True),
+}
 
 
 @pytest.mark.parametrize("impl", list(PREFILLS))

@@ -14,7 +14,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata, PrefillSegment
-from edgeinfer.daemon.engine.cpu_attention import decode_in_place, prefill_in_place
+from edgeinfer.daemon.engine.cpu_attention import (
+    decode_in_place,
+    prefill_grouped,
+    prefill_in_place,
+)
 from edgeinfer.daemon.engine.kv_cache import KVLayout
 from edgeinfer.kernels.paged_attention import decode_attention, paged_prefill_attention_ref
 from edgeinfer.kernels.paged_attention_cpu import (
@@ -138,10 +142,10 @@ class CpuAttention(AttentionBackend):
                 q, k_cache, v_cache, seg.block_table, seg.start_pos, scale, out
             )
         elif seg.start_pos:
+            grouped = prefill_grouped(q, k_cache)
+            table, start = seg.block_table, seg.start_pos
             out.copy_(
-                paged_prefill_attention_cpu(
-                    q, k_cache, v_cache, seg.block_table, seg.start_pos, scale
-                )
+                paged_prefill_attention_cpu(q, k_cache, v_cache, table, start, scale, grouped)
             )
         else:
             out.copy_(prefill_attention_cpu(q, k, v, scale))

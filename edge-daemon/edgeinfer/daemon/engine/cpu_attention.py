@@ -14,6 +14,10 @@ scores to exp() it is 1.3-1.4x faster than them from 1024 tokens and within 0.9-
 prefix.) Without it, torch's flash kernel or those matmuls
 (:func:`~edgeinfer.kernels.paged_attention_cpu.paged_prefill_attention_cpu`).
 
+A chunk after a cached prefix that the compiled kernel does not take attends *grouped* (a KV
+head's query heads as rows of one matrix) at the chunk sizes where that beat repeating the
+heads when timed at load; elsewhere, and before any timing, the heads are repeated.
+
 Where the compiled kernels build, they run at the batch sizes (decode) and chunk sizes
 (prefill) where they beat the portable path on this host when timed at load (the engine's
 ``kernel_trials`` sets the routes); until then, everywhere they take the tensors.
@@ -43,6 +47,9 @@ _IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)
 # by prefill chunk tokens. Absent: wherever it takes the tensors.
 _decode_routes: dict[tuple[torch.dtype, int], SizeRoute] = {}
 _prefill_routes: dict[tuple[torch.dtype, int], SizeRoute] = {}
+# The same key -> the chunk sizes at which a chunk after a cached prefix attends grouped.
+# Absent: nowhere (the layout is torch's either way: no build to trust before timing it).
+_grouped_routes: dict[tuple[torch.dtype, int], SizeRoute] = {}
 
 
 def values_per_token(k_cache: Tensor) -> int:
@@ -59,6 +66,11 @@ def set_decode_route(dtype: torch.dtype, values: int, route: SizeRoute | None) -
 def set_prefill_route(dtype: torch.dtype, values: int, route: SizeRoute | None) -> None:
     """The prefill chunk sizes (tokens) at which the compiled kernel attends such caches."""
     _set(_prefill_routes, (dtype, values), route)
+
+
+def set_grouped_route(dtype: torch.dtype, values: int, route: SizeRoute | None) -> None:
+    """The chunk sizes (tokens) at which chunks after a prefix attend such caches grouped."""
+    _set(_grouped_routes, (dtype, values), route)
 
 
 def _set(
@@ -109,3 +121,9 @@ def prefill_in_place(q: Tensor, k_cache: Tensor) -> bool:
         return False
     route = _prefill_routes.get((k_cache.dtype, values_per_token(k_cache)))
     return route is None or route(q.shape[0])
+
+
+def prefill_grouped(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether a chunk after a cached prefix (``q`` [T, H, D]) attends grouped (see above)."""
+    route = _grouped_routes.get((k_cache.dtype, values_per_token(k_cache)))
+    return route is not None and route(q.shape[0])

@@ -11,10 +11,8 @@ model's shapes, and where each answer goes.
 * ``decode_layers`` (the fused decode path, :mod:`fused_decode`) against the same layers op by
   op, on the model itself at 1, 2, 4 and 8 rows of :data:`DECODE_CONTEXT` tokens, once the KV
   cache exists (:func:`choose_fused`, after the kernels it sequences were chosen).
-* ``paged_decode_attention`` against what decode runs without it (numba's in-place kernel for
-  wide KV heads, torch's planned SDPA for narrow ones) at 1, 4, 16, ... sequences of
-  :data:`DECODE_CONTEXT` tokens; ``paged_prefill_attention`` against torch's flash SDPA at
-  chunks of 16, 64, 256, ... tokens.
+* the attention kernels, and the grouped layout after a cached prefix
+  (:mod:`edgeinfer.daemon.engine.attention_trials`).
 
 A size between two measured ones runs the kernel only where both chose it (``SizeRoute``); the
 timing itself, the margin and the cache are :mod:`edgeinfer.kernels.kernel_choice`'s.
@@ -25,55 +23,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edgeinfer.daemon.engine import cpu_attention
 from edgeinfer.daemon.engine.attention_metadata import AttentionMetadata
+from edgeinfer.daemon.engine.attention_trials import DECODE_CONTEXT, attention_sets, grouped_sets
 from edgeinfer.daemon.engine.fused_decode import FusedDecode
 from edgeinfer.daemon.engine.kv_cache import KVCache
 from edgeinfer.daemon.engine.linear import Linear, linear
 from edgeinfer.daemon.engine.model import CausalLM, FusedProjection
 from edgeinfer.daemon.engine.model_config import ModelConfig
 from edgeinfer.daemon.engine.rope import Rotation
+from edgeinfer.daemon.engine.trial_set import Setup, Sizes, TrialSet, dtype_name
 from edgeinfer.kernels import decoder_pointwise, kernel_choice, native_build, skinny_gemm
-from edgeinfer.kernels import paged_attention_native as native
 from edgeinfer.kernels.kernel_choice import Chooser, SizeRoute, Trial, powers_of_two
-from edgeinfer.kernels.paged_attention_cpu import (
-    paged_decode_attention_cpu,
-    plan_decode_cpu,
-    prefill_attention_cpu,
-)
-from edgeinfer.kernels.paged_attention_numba import paged_decode_attention_numba
 from edgeinfer.kernels.skinny_gemm import SkinnyWeight
 
 log = logging.getLogger(__name__)
 
-DECODE_CONTEXT = 256  # tokens per sequence in the decode-attention trials
 SKINNY_ROWS = (1, 2, 4, 8)
 BUDGET_S = 10.0  # timing per engine load, at most (SmolLM2 on 2 idle cores: ~3 s)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """What the trials take from the engine's configuration."""
-
-    dtype: torch.dtype
-    block_size: int
-    max_num_seqs: int  # decode batch sizes run up to this
-    max_tokens: int  # prefill chunks run up to this (max_num_batched_tokens, max_model_len)
-
-
-@dataclass
-class TrialSet:
-    """One kernel on one shape over sizes; ``apply`` puts the route where the engine reads it."""
-
-    kernel: str
-    trials: list[tuple[int, Trial, bool]]  # (size, trial, timed at decode threads)
-    apply: Callable[[SizeRoute], None]
 
 
 def projections(model: CausalLM) -> dict[tuple[int, int], list[tuple[Tensor, SkinnyWeight]]]:
@@ -88,9 +59,6 @@ def projections(model: CausalLM) -> dict[tuple[int, int], list[tuple[Tensor, Ski
                 (packed, skinny)
             )
     return groups
-
-
-Setup = Callable[[], tuple[Callable[[], object], Callable[[], object]]]
 
 
 def skinny_sets(model: CausalLM, sizes: Sizes) -> list[TrialSet]:
@@ -189,7 +157,7 @@ def pointwise_sets(cfg: ModelConfig, sizes: Sizes) -> list[TrialSet]:
     for op in decoder_pointwise.OPS:
         trials = []
         for tokens in powers_of_two(sizes.max_tokens, step=3):
-            case = f"{op} {width[op]} {_name(dtype)}, {tokens} tokens"
+            case = f"{op} {width[op]} {dtype_name(dtype)}, {tokens} tokens"
             setup = _pointwise_setup(cfg, dtype, op, tokens)
             trial = Trial("decoder_pointwise", case, "torch ops", build, setup)
             trials.append((tokens, trial, tokens <= sizes.max_num_seqs))
@@ -201,109 +169,13 @@ def pointwise_sets(cfg: ModelConfig, sizes: Sizes) -> list[TrialSet]:
     return sets
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _paged(cfg: ModelConfig, sizes: Sizes, seqs: int, tokens: int) -> tuple[Tensor, ...]:
-    """K/V caches holding ``seqs`` sequences of ``tokens`` on shuffled pages, their tables and
-    lengths (int32)."""
-    page = sizes.block_size
-    per_seq = -(-tokens // page)
-    shape = (seqs * per_seq, page, cfg.num_kv_heads, cfg.head_dim)
-    k_cache, v_cache = (torch.randn(shape).to(sizes.dtype) for _ in range(2))
-    tables = torch.randperm(seqs * per_seq, dtype=torch.int32).view(seqs, per_seq)
-    lens = torch.full((seqs,), tokens, dtype=torch.int32)
-    return k_cache, v_cache, tables, lens
-
-
-def _decode_setup(cfg: ModelConfig, sizes: Sizes, seqs: int, context: int) -> Setup:
-    """Decode attention of ``seqs`` sequences: compiled, against the path without it (numba's
-    in-place kernel for wide KV heads, torch's planned SDPA for narrow ones)."""
-
-    def setup() -> tuple[Callable[[], object], Callable[[], object]]:
-        dtype, heads, d = sizes.dtype, cfg.num_heads, cfg.head_dim
-        values, scale = 2 * cfg.num_kv_heads * d, d**-0.5
-        k_cache, v_cache, tables, lens = _paged(cfg, sizes, seqs, context)
-        q, out = torch.randn(seqs, heads, d).to(dtype), torch.empty(seqs, heads, d, dtype=dtype)
-        prepared = native.PreparedDecode(tables, lens, k_cache.shape, dtype, heads)
-        if values >= cpu_attention.IN_PLACE_MIN_KV_VALUES:
-            return (
-                lambda: paged_decode_attention_numba(q, k_cache, v_cache, tables, lens, scale, out),
-                lambda: prepared(q, k_cache, v_cache, scale, out),
-            )
-        plan = plan_decode_cpu(tables, lens, sizes.block_size, values * dtype.itemsize)
-        return (
-            lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale, plan, out),
-            lambda: prepared(q, k_cache, v_cache, scale, out),
-        )
-
-    return setup
-
-
-def _prefill_setup(cfg: ModelConfig, sizes: Sizes, tokens: int) -> Setup:
-    """A fresh prompt chunk's attention: compiled (reading the pages), against torch's SDPA."""
-
-    def setup() -> tuple[Callable[[], object], Callable[[], object]]:
-        dtype, heads, kv_heads, d = sizes.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        k_cache, v_cache, tables, _ = _paged(cfg, sizes, 1, tokens)
-        q, out = torch.randn(tokens, heads, d).to(dtype), torch.empty(tokens, heads, d, dtype=dtype)
-        k, v = (torch.randn(tokens, kv_heads, d).to(dtype) for _ in range(2))
-        scale = d**-0.5
-        return (
-            lambda: prefill_attention_cpu(q, k, v, scale),
-            lambda: native.paged_prefill_attention_native(
-                q, k_cache, v_cache, tables[0], 0, scale, out
-            ),
-        )
-
-    return setup
-
-
-def attention_sets(cfg: ModelConfig, sizes: Sizes) -> list[TrialSet]:
-    dtype, heads, d = sizes.dtype, cfg.num_heads, cfg.head_dim
-    probe = torch.empty(0, 1, cfg.num_kv_heads, d, dtype=dtype)
-    if not native.supports(torch.empty(0, heads, d, dtype=dtype), probe):
-        return []
-    values = 2 * cfg.num_kv_heads * d
-    shape = f"{heads}/{cfg.num_kv_heads}x{d} {_name(dtype)}"
-    sets = []
-    if build := native_build.build_id("paged_decode_attention"):
-        in_place = values >= cpu_attention.IN_PLACE_MIN_KV_VALUES
-        baseline = "numba in place" if in_place else "torch SDPA plan"
-        context = min(DECODE_CONTEXT, sizes.max_tokens)
-        decodes = []
-        for seqs in powers_of_two(sizes.max_num_seqs, step=2):
-            case = f"{shape}, {seqs} seqs of {context} tokens"
-            setup = _decode_setup(cfg, sizes, seqs, context)
-            decodes.append(
-                (seqs, Trial("paged_decode_attention", case, baseline, build, setup), True)
-            )
-
-        def decode_route(route: SizeRoute) -> None:
-            cpu_attention.set_decode_route(dtype, values, route)
-
-        sets.append(TrialSet("paged_decode_attention", decodes, decode_route))
-    if build := native_build.build_id("paged_prefill_attention"):
-        prefills = []
-        for tokens in powers_of_two(sizes.max_tokens, step=2, smallest=16):
-            case, setup = f"{shape}, {tokens} tokens", _prefill_setup(cfg, sizes, tokens)
-            trial = Trial("paged_prefill_attention", case, "torch SDPA", build, setup)
-            prefills.append((tokens, trial, False))
-
-        def prefill_route(route: SizeRoute) -> None:
-            cpu_attention.set_prefill_route(dtype, values, route)
-
-        sets.append(TrialSet("paged_prefill_attention", prefills, prefill_route))
-    return sets
-
-
 def trial_sets(model: CausalLM, sizes: Sizes) -> list[TrialSet]:
     """Every kernel trial of this model (none where the libraries did not build), the cheap
     ones first: where the time budget runs out, the costliest to time keep their baselines."""
     return (
         pointwise_sets(model.config, sizes)
         + attention_sets(model.config, sizes)
+        + grouped_sets(model.config, sizes)
         + skinny_sets(model, sizes)
     )
 
@@ -395,7 +267,7 @@ def fused_trials(
     build = native_build.build_id("decode_layers")
     if build is None:
         return []
-    name = f"{model.config.num_layers} layers {_name(fused.dtype)}"
+    name = f"{model.config.num_layers} layers {dtype_name(fused.dtype)}"
     return [
         (rows, Trial(
             "decode_layers", f"{name}, {rows} rows of {DECODE_CONTEXT} tokens", "op by op",

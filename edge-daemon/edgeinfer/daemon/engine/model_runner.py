@@ -19,12 +19,7 @@ from edgeinfer.daemon.engine.checkpoint import CheckpointReader, load_weights
 from edgeinfer.daemon.engine.compressed_weights import keep_layers_compressed
 from edgeinfer.daemon.engine.config import EngineConfig
 from edgeinfer.daemon.engine.fused_decode import FusedDecode
-from edgeinfer.daemon.engine.kernel_trials import (
-    Sizes,
-    choose_fused,
-    choose_kernels,
-    release_panels,
-)
+from edgeinfer.daemon.engine.kernel_trials import choose_fused, choose_kernels, release_panels
 from edgeinfer.daemon.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
 from edgeinfer.daemon.engine.linear import linear
 from edgeinfer.daemon.engine.model import CausalLM
@@ -33,6 +28,7 @@ from edgeinfer.daemon.engine.rope import RotaryEmbedding
 from edgeinfer.daemon.engine.scheduler import ScheduledBatch
 from edgeinfer.daemon.engine.sequence import Sequence
 from edgeinfer.daemon.engine.thread_binding import bind_omp_team
+from edgeinfer.daemon.engine.trial_set import Sizes
 
 log = logging.getLogger(__name__)
 
