@@ -22,6 +22,7 @@ the start says how quiet the host was.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import tempfile
@@ -45,9 +46,12 @@ KEY_LIMITS = (
     "requests_per_minute = 100000000\ntokens_per_minute = 100000000000\nmax_concurrent = 1000\n"
 )
 PATHS = ("direct", "router", "router_keys", "floor")
+# Each request its own question (the request's number in this process), as users' are: no
+# router cache answers for it.
+_NUMBERS = itertools.count()
 BODY = (
-    b'{"model": "bench-model", "messages": [{"role": "user", "content": "Hello there"}], '
-    b'"max_tokens": 64, "stream": true}'
+    '{{"model": "bench-model", "messages": [{{"role": "user", "content": "Hello there, {}"}}], '
+    '"max_tokens": 64, "stream": true}}'
 )
 
 
@@ -97,8 +101,9 @@ def _processes(workdir: Path, chunks: int) -> Iterator[dict[str, ChildProcess]]:
 async def _one(
     session: aiohttp.ClientSession, url: str, headers: dict[str, str]
 ) -> tuple[float, float]:
+    body = BODY.format(next(_NUMBERS)).encode()
     start = time.perf_counter()
-    async with session.post(url, data=BODY, headers=headers) as r:
+    async with session.post(url, data=body, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"{url} answered {r.status}: {await r.text()}")
         await r.content.readuntil(b"\n\n")

@@ -8,13 +8,19 @@ the edgeinfer cache on first start); without it the tokenisation rows are skippe
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from edgeinfer.router.router_tokenizer import CHAT_PATH, COMPLETIONS_PATH, RouterTokenizer
+from edgeinfer.router.router_tokenizer import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    PromptText,
+    RouterTokenizer,
+)
 from edgeinfer.shared.cache_dir import cache_dir
 
 MODEL_DIR = cache_dir() / "models" / "smollm2-135m-instruct"
@@ -70,8 +76,14 @@ def bench_tokenize(quick: bool) -> dict[str, Any]:
         ids = tok.encode(prompt)
         n = len(ids)
         render_s = _time(lambda: tok.prompt_text(CHAT_PATH, chat), repeat)  # noqa: B023
-        encode_s = _time(lambda: tok.encode(prompt), repeat)  # noqa: B023
-        keys_s = _time(lambda: tok.block_keys(ids, "tenant", None), repeat)  # noqa: B023
+        # A new salt each call: no piece cached, the text encoded as the first time.
+        salts = (f"s{i}" for i in itertools.count())
+        encode_s = _time(lambda: tok.encode(prompt, salt=next(salts)), repeat)  # noqa: B023
+        keys_s = _time(lambda: tok.block_keys(ids, "tenant"), repeat)  # noqa: B023
+        # The same text as a shared system prompt, each request with its own question: what
+        # the piece cache leaves to encode (the question and the template's few tokens).
+        questions = (shared_prompt(tok, text, i) for i in itertools.count())
+        shared_s = _time(lambda: tok.encode(next(questions), salt="t"), repeat)  # noqa: B023
         completion = tok.prompt_text(COMPLETIONS_PATH, {"prompt": text})
         assert completion is not None
         per_k = 1000 / n
@@ -80,5 +92,16 @@ def bench_tokenize(quick: bool) -> dict[str, Any]:
             "encode_us_per_1k_tokens": round(encode_s * 1e6 * per_k, 1),
             "block_keys_us_per_1k_tokens": round(keys_s * 1e6 * per_k, 1),
             "total_us_per_1k_tokens": round((render_s + encode_s + keys_s) * 1e6 * per_k, 1),
+            "encode_us_shared_system_prompt": round(shared_s * 1e6, 1),
         }
+    out["pieces_cached"] = tok.segments.segmenting
     return out
+
+
+def shared_prompt(tok: RouterTokenizer, system: str, i: int) -> PromptText:
+    """A chat whose system prompt is ``system`` and whose question is the ``i``-th."""
+    chat = {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": f"Question {i}: when do the boats leave?"}]}  # fmt: skip
+    prompt = tok.prompt_text(CHAT_PATH, chat)
+    assert prompt is not None
+    return prompt

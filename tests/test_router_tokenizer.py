@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -100,16 +101,20 @@ def test_router_keys_equal_the_engines(engine, kind, path, body, header_salt):
     ids = router.encode(prompt)
     engine_ids, cached = _engine_keys(engine, kind, body, header_salt)
     assert ids == engine_ids
-    keys = router.block_keys(ids, header_salt, prompt.cache_salt)
+    keys = router.block_keys(ids, router.salt(header_salt, prompt))
     assert len(keys) == len(ids) // 16 >= 2
     assert set(keys) <= cached
 
 
 def test_salts_keep_keys_apart(engine):
     router = RouterTokenizer(tokenizer_description(engine))
-    ids = router.encode(router.prompt_text(COMPLETIONS_PATH, {"prompt": LONG}))
+    prompt = router.prompt_text(COMPLETIONS_PATH, {"prompt": LONG})
+    ids = router.encode(prompt)
     variants = [(None, None), ("a", None), ("b", None), ("a", "x"), (None, "a")]
-    first = {router.block_keys(ids, h, b)[0] for h, b in variants}
+    first = {
+        router.block_keys(ids, router.salt(h, dataclasses.replace(prompt, cache_salt=b)))[0]
+        for h, b in variants
+    }
     assert len(first) == len(variants)
 
 

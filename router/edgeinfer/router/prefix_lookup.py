@@ -174,8 +174,9 @@ class PrefixLookup:
 def _keys(
     tok: RouterTokenizer, prompt: PromptText, header_salt: str | None, release_gil: bool = False
 ) -> tuple[int, list[bytes]]:
-    ids = tok.encode(prompt, release_gil)
-    return len(ids), tok.block_keys(ids, header_salt, prompt.cache_salt)
+    salt = tok.salt(header_salt, prompt)
+    ids = tok.encode(prompt, release_gil, salt)
+    return len(ids), tok.block_keys(ids, salt)
 
 
 def _tokenizer_group(views: Sequence[DaemonView], model: str | None) -> _Group | None:

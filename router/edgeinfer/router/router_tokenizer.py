@@ -23,6 +23,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgeinfer.router.errors import RouterError
+from edgeinfer.router.segment_cache import SegmentCache
 from edgeinfer.shared.block_keys import chain_keys, effective_cache_salt
 from edgeinfer.shared.chat_template import ChatTemplate, ChatTemplateError, render_chat
 from edgeinfer.shared.tool_prompt import has_tool_history, present_tools, renders_tools
@@ -61,6 +62,7 @@ class RouterTokenizer:
         if template is not None and not isinstance(template, str | dict):
             raise RouterError("unusable tokenizer description: bad chat_template")
         self.chat_template: ChatTemplate | None = template
+        self.segments = SegmentCache(self._tok)
         self.special_tokens: dict[str, str] = {str(k): str(v) for k, v in special.items()}
 
     def prompt_text(self, path: str, data: Any) -> PromptText | None:
@@ -80,22 +82,32 @@ class RouterTokenizer:
             return _completion_prompt(data, salt)
         return None
 
-    def encode(self, prompt: PromptText, release_gil: bool = False) -> list[int]:
+    def encode(
+        self, prompt: PromptText, release_gil: bool = False, salt: str | None = None
+    ) -> list[int]:
         """Token ids. ``release_gil`` (on a worker thread): ``encode_batch``, which lets the
         event loop run meanwhile but hands the work to the library's thread pool; inline,
-        ``encode`` in this thread (on a busy host the pool's wake-up costs milliseconds)."""
+        ``encode`` in this thread (on a busy host the pool's wake-up costs milliseconds).
+        A text the template rendered is encoded by its pieces, cached under ``salt`` (the
+        effective cache salt, :mod:`edgeinfer.router.segment_cache`)."""
         if prompt.ids is not None:
             return prompt.ids
         text, special = prompt.text or "", prompt.add_special_tokens
+        if not special:
+            return self.segments.encode(text, salt, release_gil)
         if release_gil:
             return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
         return self._tok.encode(text, add_special_tokens=special).ids
 
-    def block_keys(
-        self, ids: list[int], header_salt: str | None, body_salt: str | None
-    ) -> list[bytes]:
-        """The engine's keys for the full blocks of ``ids``, under the salt it will combine."""
-        return chain_keys(ids, self.block_size, effective_cache_salt(header_salt, body_salt))
+    def block_keys(self, ids: list[int], salt: str | None) -> list[bytes]:
+        """The engine's keys for the full blocks of ``ids`` under the effective ``salt``
+        (:meth:`salt`)."""
+        return chain_keys(ids, self.block_size, salt)
+
+    @staticmethod
+    def salt(header_salt: str | None, prompt: PromptText) -> str | None:
+        """The salt the daemon will combine: the router's per-tenant header and the body's."""
+        return effective_cache_salt(header_salt, prompt.cache_salt)
 
     def _chat_text(self, data: dict[str, Any]) -> str | None:
         messages = data.get("messages")
