@@ -49,8 +49,10 @@ def test_pieces_give_the_whole_texts_ids(release_gil: bool) -> None:
         text = chat(*history) + "<|im_start|>assistant\n"
         assert cache.encode(text, None, release_gil) == whole(tok, text)
     held = cache._held
-    assert cache.encode(text, None, release_gil) == whole(tok, text)
+    ids, cached = cache.encode_counted(text, None, release_gil)
+    assert ids == whole(tok, text)
     assert cache._held == held  # every piece was a hit
+    assert cached == len(ids) - text.count("<|im_")  # all but the added tokens' ids
 
 
 def test_salts_keep_pieces_apart() -> None:
@@ -99,7 +101,7 @@ def test_a_difference_found_by_the_check_turns_pieces_off(monkeypatch: pytest.Mo
     tok = _byte_level()
     cache = SegmentCache(tok)
     wrong = cache._segmented
-    monkeypatch.setattr(cache, "_segmented", lambda *a, **k: [*wrong(*a, **k), 0])
+    monkeypatch.setattr(cache, "_segmented", lambda *a, **k: ([*wrong(*a, **k)[0], 0], 0))
     text = chat("hello", "there")
     for _ in range(segment_cache.VERIFY_EVERY):
         last = cache.encode(text, None)

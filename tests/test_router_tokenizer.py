@@ -184,3 +184,20 @@ def test_tool_requests_render_as_the_daemon_renders_them(engine, template, body)
     assert router.encode(prompt) == daemon_ids
     text = tok.decode(daemon_ids, skip_special_tokens=False)
     assert ("TOOLS " in text) == bool(body.get("tools"))
+
+
+def test_a_conversations_next_turn_reuses_its_encoded_pieces(engine):
+    """The second turn's history comes from the piece cache, and its ids are still the
+    engine's."""
+    router = RouterTokenizer(tokenizer_description(engine))
+    first = router.prompt_text(CHAT_PATH, CHAT)
+    router.encode(first, salt="tenant-a")
+    turn = {"messages": [*CHAT["messages"], {"role": "assistant", "content": "ok " + LONG},
+                         {"role": "user", "content": "one more"}]}  # fmt: skip
+    second = router.prompt_text(CHAT_PATH, turn)
+    ids, cached = router.encode_counted(second, salt="tenant-a")
+    assert ids == _engine_keys(engine, "chat", turn, "tenant-a")[0]
+    if router.segments.segmenting:
+        assert cached > len(ids) // 2
+    # Another tenant's request finds nothing of it.
+    assert router.encode_counted(second, salt="tenant-b") == (ids, 0)

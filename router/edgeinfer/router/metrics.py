@@ -79,6 +79,15 @@ class RouterMetrics:
             "Time to tokenise one request and hash its blocks (for prefix-aware placement).",
             buckets=_PLACEMENT_BUCKETS, registry=r,
         )  # fmt: skip
+        self.tokenize_tokens = Counter(
+            PREFIX + "tokenize_tokens", "Prompt tokens the router computed for placement.",
+            registry=r,
+        )  # fmt: skip
+        self.tokenize_tokens_cached = Counter(
+            PREFIX + "tokenize_tokens_cached",
+            "Of those, tokens of prompt pieces already encoded (the router's piece cache).",
+            registry=r,
+        )  # fmt: skip
         self.prefix_blocks_asked = Counter(
             PREFIX + "prefix_blocks_asked",
             "Full prompt blocks looked up in the prefix index (hit rate: matched / asked).",

@@ -101,11 +101,15 @@ class PrefixLookup:
         started = time.perf_counter()
         if prompt.text is not None and len(prompt.text) > self._inline_chars:
             loop = asyncio.get_running_loop()
-            n, keys = await loop.run_in_executor(self._pool, _keys, tok, prompt, header_salt, True)
+            n, cached, keys = await loop.run_in_executor(
+                self._pool, _keys, tok, prompt, header_salt, True
+            )
         else:
-            n, keys = _keys(tok, prompt, header_salt)
+            n, cached, keys = _keys(tok, prompt, header_salt)
         if self._metrics is not None:
             self._metrics.tokenize_seconds.observe(time.perf_counter() - started)
+            self._metrics.tokenize_tokens.inc(n)
+            self._metrics.tokenize_tokens_cached.inc(cached)
         if self._metrics is not None:
             self._metrics.prefix_blocks_asked.inc(len(keys))  # matched: by the proxy, as placed
         if not keys:
@@ -173,10 +177,10 @@ class PrefixLookup:
 
 def _keys(
     tok: RouterTokenizer, prompt: PromptText, header_salt: str | None, release_gil: bool = False
-) -> tuple[int, list[bytes]]:
+) -> tuple[int, int, list[bytes]]:
     salt = tok.salt(header_salt, prompt)
-    ids = tok.encode(prompt, release_gil, salt)
-    return len(ids), tok.block_keys(ids, salt)
+    ids, cached = tok.encode_counted(prompt, release_gil, salt)
+    return len(ids), cached, tok.block_keys(ids, salt)
 
 
 def _tokenizer_group(views: Sequence[DaemonView], model: str | None) -> _Group | None:

@@ -85,19 +85,26 @@ class RouterTokenizer:
     def encode(
         self, prompt: PromptText, release_gil: bool = False, salt: str | None = None
     ) -> list[int]:
+        """:meth:`encode_counted`'s ids."""
+        return self.encode_counted(prompt, release_gil, salt)[0]
+
+    def encode_counted(
+        self, prompt: PromptText, release_gil: bool = False, salt: str | None = None
+    ) -> tuple[list[int], int]:
         """Token ids. ``release_gil`` (on a worker thread): ``encode_batch``, which lets the
         event loop run meanwhile but hands the work to the library's thread pool; inline,
         ``encode`` in this thread (on a busy host the pool's wake-up costs milliseconds).
         A text the template rendered is encoded by its pieces, cached under ``salt`` (the
-        effective cache salt, :mod:`edgeinfer.router.segment_cache`)."""
+        effective cache salt, :mod:`edgeinfer.router.segment_cache`); the second value counts
+        the ids that came from that cache."""
         if prompt.ids is not None:
-            return prompt.ids
+            return prompt.ids, 0
         text, special = prompt.text or "", prompt.add_special_tokens
         if not special:
-            return self.segments.encode(text, salt, release_gil)
+            return self.segments.encode_counted(text, salt, release_gil)
         if release_gil:
-            return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
-        return self._tok.encode(text, add_special_tokens=special).ids
+            return self._tok.encode_batch([text], add_special_tokens=special)[0].ids, 0
+        return self._tok.encode(text, add_special_tokens=special).ids, 0
 
     def block_keys(self, ids: list[int], salt: str | None) -> list[bytes]:
         """The engine's keys for the full blocks of ``ids`` under the effective ``salt``

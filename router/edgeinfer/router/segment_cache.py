@@ -57,7 +57,7 @@ class SegmentCache:
             contents = sorted(self._ids, key=len, reverse=True)
             self._cut = re.compile("(" + "|".join(map(re.escape, contents)) + ")")
             texts = [probe.format(contents[-1]) for probe in _PROBES]
-            if any(self._segmented(self._cut, t, "") != self._whole(t) for t in texts):
+            if any(self._segmented(self._cut, t, "")[0] != self._whole(t) for t in texts):
                 self._cut = None
             self._cache.clear()
             self._held = 0
@@ -67,13 +67,19 @@ class SegmentCache:
         """The ids ``tokenizers`` gives ``text`` without special-token insertion.
         ``release_gil`` (on a worker thread): pieces not cached are encoded as one batch, which
         lets the event loop run meanwhile."""
+        return self.encode_counted(text, salt, release_gil)[0]
+
+    def encode_counted(
+        self, text: str, salt: str | None, release_gil: bool = False
+    ) -> tuple[list[int], int]:
+        """:meth:`encode`'s ids, and how many of them came from the cache."""
         cut = self._cut  # one value throughout: a check on another thread may clear it
         if cut is None:
-            return self._whole(text, release_gil)
+            return self._whole(text, release_gil), 0
         with self._lock:
             self._texts += 1
             verify = self._texts % VERIFY_EVERY == 0
-        ids = self._segmented(cut, text, salt, release_gil)
+        ids, cached = self._segmented(cut, text, salt, release_gil)
         if verify and ids != (whole := self._whole(text, release_gil)):
             log.warning("encoding a prompt piece by piece differs from encoding it whole: "
                         "piece caching is off for this tokenizer")  # fmt: skip
@@ -82,8 +88,8 @@ class SegmentCache:
             with self._lock:
                 self._cache.clear()
                 self._held = 0
-            return whole
-        return ids
+            return whole, 0
+        return ids, cached
 
     def _whole(self, text: str, release_gil: bool = False) -> list[int]:
         if release_gil:
@@ -92,7 +98,8 @@ class SegmentCache:
 
     def _segmented(
         self, cut: re.Pattern[str], text: str, salt: str | None, release_gil: bool = False
-    ) -> list[int]:
+    ) -> tuple[list[int], int]:
+        """The ids, and how many came from the cache."""
         parts = cut.split(text)  # pieces at even indices, added tokens at odd ones
         found: dict[int, array] = {}
         with self._lock:
@@ -110,13 +117,14 @@ class SegmentCache:
             with self._lock:
                 for i, piece_ids in zip(missing, encoded, strict=True):
                     found[i] = self._keep((salt, parts[i]), piece_ids)
+        cached = sum(len(found[i]) for i in found if i not in missing)
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
                 ids.append(self._ids[part])
             elif part:
                 ids.extend(found[i])
-        return ids
+        return ids, cached
 
     def _keep(self, key: tuple[str | None, str], piece_ids: list[int]) -> array:
         """Caches ``piece_ids`` (under the lock), evicting the least recent pieces past the
