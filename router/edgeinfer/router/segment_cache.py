@@ -41,6 +41,8 @@ _PROBES = ("Hello world{0} again, friend.{0}\n  and more{0}", " leading space{0}
 
 
 class SegmentCache:
+    """One tokenizer's encoder of rendered chats, by pieces (module doc); thread-safe."""
+
     def __init__(self, tok: Tokenizer, capacity_tokens: int = CAPACITY_TOKENS) -> None:
         self._tok = tok
         self._capacity = capacity_tokens
@@ -101,29 +103,31 @@ class SegmentCache:
     ) -> tuple[list[int], int]:
         """The ids, and how many came from the cache."""
         parts = cut.split(text)  # pieces at even indices, added tokens at odd ones
-        found: dict[int, array] = {}
+        found: dict[str, array] = {}
+        cached = 0
         with self._lock:
-            for i in range(0, len(parts), 2):
-                if parts[i] and (hit := self._cache.get((salt, parts[i]))) is not None:
-                    self._cache.move_to_end((salt, parts[i]))
-                    found[i] = hit
-        missing = [i for i in range(0, len(parts), 2) if parts[i] and i not in found]
+            for piece in parts[::2]:
+                if piece and (hit := self._cache.get((salt, piece))) is not None:
+                    self._cache.move_to_end((salt, piece))
+                    found[piece] = hit
+                    cached += len(hit)
+        # Each piece not cached encoded once, however often the text repeats it.
+        missing = list(dict.fromkeys(p for p in parts[::2] if p and p not in found))
         if missing:
-            pieces = [parts[i] for i in missing]
             if release_gil:
-                encoded = [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
+                batch = self._tok.encode_batch(missing, add_special_tokens=False)
+                encoded = [e.ids for e in batch]
             else:
-                encoded = [self._tok.encode(p, add_special_tokens=False).ids for p in pieces]
+                encoded = [self._tok.encode(p, add_special_tokens=False).ids for p in missing]
             with self._lock:
-                for i, piece_ids in zip(missing, encoded, strict=True):
-                    found[i] = self._keep((salt, parts[i]), piece_ids)
-        cached = sum(len(found[i]) for i in found if i not in missing)
+                for piece, piece_ids in zip(missing, encoded, strict=True):
+                    found[piece] = self._keep((salt, piece), piece_ids)
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
                 ids.append(self._ids[part])
             elif part:
-                ids.extend(found[i])
+                ids.extend(found[part])
         return ids, cached
 
     def _keep(self, key: tuple[str | None, str], piece_ids: list[int]) -> array:
