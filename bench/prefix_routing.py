@@ -52,6 +52,10 @@ from serving_client import WORDS, content_of
 RESULTS = Path(__file__).parent / "results" / "prefix_routing.json"
 SETUPS = ("blind", "aware")
 REQUEST_TIMEOUT_S = 600.0
+TOKENIZE_METRICS = (
+    "edgeinfer_router_tokenize_tokens_total",
+    "edgeinfer_router_tokenize_tokens_cached_total",
+)
 
 
 @dataclass
@@ -257,6 +261,7 @@ def line(setup: str, s: dict[str, Any]) -> str:
         f"(worst turn {s['cached_over_history_min']:.0%}), cached / prompt "
         f"{s['cached_over_prompt']:.0%}; requests per daemon {s['requests_per_daemon']} "
         f"max/mean {s['max_over_mean']:.2f}"
+        + (f"; router tokens cached {c:.0%}" if (c := s.get("router_tokens_cached")) else "")
     )
 
 
@@ -265,10 +270,14 @@ def run_setup(args: argparse.Namespace, setup: str) -> dict[str, Any]:
     with network(args, setup) as net:
         size = sizes(net.daemons[0].url, args.daemon_key, args)
         asyncio.run(warm_up(net, size, args, setup == "aware"))
+        before = {n: metric(net.router.url, n) for n in TOKENIZE_METRICS}
         started = time.monotonic()
         turns = asyncio.run(run_workload(net.router.url, size, args))
         wall = time.monotonic() - started
-    return summarise(turns) | {"wall_s": wall, "load_average_after": os.getloadavg()}
+        tokens, cached = (metric(net.router.url, n) - before[n] for n in TOKENIZE_METRICS)
+    # What the router's piece cache gave of the prompt tokens it computed (aware setup only).
+    router = {"router_tokens": tokens, "router_tokens_cached": cached / tokens if tokens else None}
+    return summarise(turns) | router | {"wall_s": wall, "load_average_after": os.getloadavg()}
 
 
 def host() -> dict[str, Any]:
