@@ -13,8 +13,8 @@ host noise, each over its own kept-alive connection (as a client SDK does). Per 
 The added latency is a router's quantile minus the direct one (p50 and p99); keys on and off
 are reported side by side, with their ratio. A fourth path, ``floor`` (``floor_proxy.py``: an
 aiohttp proxy that only streams the answer through), is measured in the same rotation: what
-any aiohttp proxy adds on this host, so the router's added latency over it is the router's own. On a shared host those quantiles carry other
-processes' scheduling noise, so each router's CPU time per request (user + system, from
+any aiohttp proxy adds on this host, so the router's added latency over it is the router's
+own. On a shared host those quantiles carry other processes' scheduling noise, so each router's CPU time per request (user + system, from
 ``/proc``) is reported too: the part of its cost no neighbour can inflate. The load average at
 the start says how quiet the host was.
 """

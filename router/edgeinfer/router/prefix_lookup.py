@@ -110,7 +110,6 @@ class PrefixLookup:
             self._metrics.tokenize_seconds.observe(time.perf_counter() - started)
             self._metrics.tokenize_tokens.inc(n)
             self._metrics.tokenize_tokens_cached.inc(cached)
-        if self._metrics is not None:
             self._metrics.prefix_blocks_asked.inc(len(keys))  # matched: by the proxy, as placed
         if not keys:
             return PrefixHits(n, 0, block_size, {})

@@ -9,9 +9,10 @@ it, which is the point of measuring goodput rather than throughput.
 Load balance is max / mean over the decode-capable engines of the requests each decoded and of
 the seconds each spent decoding (a request of ten tokens and one of a thousand count alike in
 the first, not in the second), and over the prefill-capable ones of the prompt tokens each
-computed. On prefix-sharing workloads
-the block hit rate (blocks a prefill found in its engine's cache or received from its decode
-engine / blocks asked; the latter also apart, as the pulled rate) is reported beside what an infinite cache and one pooled cache of the fleet's KV would have hit.
+computed. On prefix-sharing workloads the block hit rate (blocks a prefill found in its
+engine's cache or received from its decode engine / blocks asked; the latter also apart, as
+the pulled rate) is reported beside what an infinite cache and one pooled cache of the fleet's
+KV would have hit.
 """
 
 from __future__ import annotations
