@@ -25,6 +25,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -33,7 +34,11 @@ from rich.console import Console  # noqa: E402
 from edgeinfer.sim.metrics import Slo, summary  # noqa: E402
 from edgeinfer.sim.output import table  # noqa: E402
 from edgeinfer.sim.policies import PREFIX_TRACE_POLICIES  # noqa: E402
-from edgeinfer.sim.prefix_cache import BLOCK_TOKENS, hit_rate_bounds  # noqa: E402
+from edgeinfer.sim.prefix_cache import (  # noqa: E402
+    BLOCK_TOKENS,
+    hit_rate_bounds,
+    pooled_rate_by_group,
+)
 from edgeinfer.sim.profile import EngineProfile  # noqa: E402
 from edgeinfer.sim.scenario import REGION_MIXES, WorkloadSpec, parse_split, run  # noqa: E402
 from edgeinfer.sim.simulator import SimConfig  # noqa: E402
@@ -99,6 +104,11 @@ def compare(
     prefix = aware["prefix"]
     below_pooled = prefix["pooled_cache_bound"] - prefix["block_hit_rate"]
     held_below_pooled = prefix["pooled_cache_bound"] - prefix["fleet_held_rate"]
+    per_gpu = cfg.kv_tokens_per_gpu // BLOCK_TOKENS
+    half_kv = per_gpu * topo.gpus // 2
+    region_blocks: Counter[str] = Counter()
+    for pop in topo.pops:
+        region_blocks[pop.region] += per_gpu * pop.split.gpus
     figures = {
         "goodput_x": aware["goodput_rps"] / blind["goodput_rps"],
         "ttft_p90_lower_x": blind["ttft_s"]["p90"] / aware["ttft_s"]["p90"],
@@ -113,9 +123,15 @@ def compare(
         # placement hits more), and the pooled bound with half the KV (on a P/D split a
         # remotely prefilled prompt is cached twice, on P and on D).
         "held_points_below_pooled": 100 * held_below_pooled,
-        "pooled_bound_half_kv": hit_rate_bounds(
-            work.blocks or (), cfg.kv_tokens_per_gpu // BLOCK_TOKENS * topo.gpus // 2
-        )["pooled"],
+        "pooled_bound_half_kv": hit_rate_bounds(work.blocks or (), half_kv)["pooled"],
+        # Each region's KV pooled, serving its own clients (pulls between regions cost more
+        # than recomputing): with one copy of each block, and with two (half the KV).
+        "pooled_bound_per_region": pooled_rate_by_group(
+            work.blocks or (), work.region, region_blocks
+        ),
+        "pooled_bound_per_region_half_kv": pooled_rate_by_group(
+            work.blocks or (), work.region, {r: n // 2 for r, n in region_blocks.items()}
+        ),
     }
     targets = {
         "goodput_x >= 1.5": figures["goodput_x"] >= 1.5,

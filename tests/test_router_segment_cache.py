@@ -66,14 +66,26 @@ def test_salts_keep_pieces_apart() -> None:
 
 def test_least_recent_pieces_go_past_the_capacity() -> None:
     tok = _byte_level()
-    cache = SegmentCache(tok, capacity_tokens=40)
+    cache = SegmentCache(tok, capacity_bytes=600)
     keep = chat("the lazy dog")
     for i in range(20):
         cache.encode(keep, None)  # used every time: stays
         text = chat(f"question {i} about the quick brown fox")
         assert cache.encode(text, None) == whole(tok, text)
-        assert cache._held <= 40
+        assert cache._held <= 600
     assert (None, "system\nthe lazy dog") in cache._cache
+    assert len(cache._cache) < 20
+
+
+def test_the_capacity_counts_a_piece_text_not_only_its_ids() -> None:
+    tok = _byte_level()
+    cache = SegmentCache(tok, capacity_bytes=64 << 10)
+    for i in range(8):
+        # 16k characters that merge into ~4 a token: 8 pieces are ~32k ids in all, which a
+        # budget of ids alone (64k) would keep every one of.
+        cache.encode(chat(f"{i} " + CORPUS[0] * 12), None)
+        assert cache._held <= 64 << 10
+    assert len(cache._cache) <= 4
 
 
 @pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word", "normalized"])

@@ -17,7 +17,7 @@ from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.prefix_scoring import cached_tokens, leading_hits, under_bound
 from edgeinfer.sim import SimError, prefix_policies
 from edgeinfer.sim.metrics import load_balance, summary
-from edgeinfer.sim.prefix_cache import FleetCaches, hit_rate_bounds
+from edgeinfer.sim.prefix_cache import FleetCaches, hit_rate_bounds, pooled_rate_by_group
 from edgeinfer.sim.scenario import WorkloadSpec, run
 from edgeinfer.sim.simulator import SimConfig, SimResult
 from edgeinfer.sim.topology import Split
@@ -71,6 +71,16 @@ def test_hit_rate_bounds() -> None:
     assert bounds["infinite"] == pytest.approx(5 / 10)
     # Three blocks: (4) pushes out 3 (the tail of 1, 2, 3), so the last hits 1, 2 only.
     assert bounds["pooled"] == pytest.approx(4 / 10)
+
+
+def test_pooled_rate_by_group_shares_only_within_a_group() -> None:
+    blocks = [(1, 2), (1, 2), (1, 2, 3), (1, 2, 3)]
+    # Each group's first request finds nothing; the second finds what its group computed.
+    assert pooled_rate_by_group(blocks, ["eu", "na", "eu", "na"], {"eu": 8, "na": 8}) == (
+        pytest.approx(4 / 10)
+    )
+    assert pooled_rate_by_group(blocks, ["eu"] * 4, {"eu": 8}) == pytest.approx(7 / 10)
+    assert pooled_rate_by_group([], [], {}) == 0.0
 
 
 # ---- the trace ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -33,7 +34,9 @@ from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CAPACITY_TOKENS = 1 << 20  # ids kept over every piece: 4 MiB, ~10 MiB with their text (English)
+# What the pieces may hold, ids and text together: ~1.5-3M tokens of English. The text counts
+# as much as the ids: a piece of one character repeated is a few ids for thousands of characters.
+CAPACITY_BYTES = 16 << 20
 VERIFY_EVERY = 64  # texts between two checks against a whole encode
 # Texts the constructor encodes both ways: a piece after an added token, one before the next,
 # and leading whitespace, which a first-piece-only prefix would treat differently.
@@ -43,11 +46,11 @@ _PROBES = ("Hello world{0} again, friend.{0}\n  and more{0}", " leading space{0}
 class SegmentCache:
     """One tokenizer's encoder of rendered chats, by pieces (module doc); thread-safe."""
 
-    def __init__(self, tok: Tokenizer, capacity_tokens: int = CAPACITY_TOKENS) -> None:
+    def __init__(self, tok: Tokenizer, capacity_bytes: int = CAPACITY_BYTES) -> None:
         self._tok = tok
-        self._capacity = capacity_tokens
+        self._capacity = capacity_bytes
         self._cache: OrderedDict[tuple[str | None, str], array] = OrderedDict()
-        self._held = 0  # ids in the cache
+        self._held = 0  # bytes of the cached pieces' ids and text (_size)
         self._texts = 0
         self._lock = threading.Lock()  # the tokenize pool's threads share the cache
         added = list(tok.get_added_tokens_decoder().items())
@@ -134,14 +137,21 @@ class SegmentCache:
         """Caches ``piece_ids`` (under the lock), evicting the least recent pieces past the
         capacity; a piece larger than the whole capacity is not kept."""
         kept = array("I", piece_ids)
-        if len(kept) > self._capacity:
+        size = _size(key, kept)
+        if size > self._capacity:
             return kept
         old = self._cache.pop(key, None)
         if old is not None:
-            self._held -= len(old)
+            self._held -= _size(key, old)
         self._cache[key] = kept
-        self._held += len(kept)
+        self._held += size
         while self._held > self._capacity:
-            _, evicted = self._cache.popitem(last=False)
-            self._held -= len(evicted)
+            evicted_key, evicted = self._cache.popitem(last=False)
+            self._held -= _size(evicted_key, evicted)
         return kept
+
+
+def _size(key: tuple[str | None, str], ids: array) -> int:
+    """Bytes one cached piece holds: its ids and its text (``getsizeof``: 1-4 bytes a
+    character, as Python stores the string)."""
+    return ids.itemsize * len(ids) + sys.getsizeof(key[1])

@@ -22,7 +22,7 @@ holding it, which the prefix-aware policies read through
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from edgeinfer.router.prefix_scoring import leading_hits
 
@@ -98,3 +98,21 @@ def hit_rate_bounds(blocks: Sequence[Sequence[int]], capacity_blocks: int) -> di
         pool_hits += pooled.lookup(0, keys)
         pooled.insert(0, keys)
     return {"infinite": inf_hits / asked, "pooled": pool_hits / asked}
+
+
+def pooled_rate_by_group(
+    blocks: Sequence[Sequence[int]], group: Sequence[str], capacity_blocks: Mapping[str, int]
+) -> float:
+    """Block hit rate with one pooled LRU per group (``group[i]`` names request ``i``'s, e.g. its
+    region; ``capacity_blocks`` the KV each group's daemons have together): the pooled bound
+    when a request is served only by its own group's daemons, as pulls between distant PoPs
+    cost more than recomputing (:mod:`edgeinfer.router.kv_pull`)."""
+    asked = sum(len(k) for k in blocks)
+    if not asked:
+        return 0.0
+    pools = {g: FleetCaches(1, cap) for g, cap in capacity_blocks.items()}
+    hits = 0
+    for keys, g in zip(blocks, group, strict=True):
+        hits += pools[g].lookup(0, keys)
+        pools[g].insert(0, keys)
+    return hits / asked
