@@ -1,6 +1,7 @@
 """The pruned, compiled pricing of prefix placements (prefix_pairs.search + ranked) gives the
-choice of pricing every pair (prefix_scoring.price_pairs + rank): same decode daemons in the
-same order, same prefill peers, scores and terms to the last bit, same random draws."""
+choice of pricing every pair (prefix_scoring.price_pairs_pulling + rank): same decode daemons in
+the same order, same prefill peers, scores and terms to the last bit (a prefill daemon's pull
+of the pages its decode daemon holds included), same random draws."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from edgeinfer.router.network import FloatArray, NetworkModel
 from edgeinfer.router.prefix_pairs import draw as draw_first
 from edgeinfer.router.prefix_pairs import rank_found, search
-from edgeinfer.router.prefix_scoring import price_pairs, rank
+from edgeinfer.router.prefix_scoring import price_pairs_pulling, rank
 
 NET = NetworkModel()
 
@@ -88,18 +89,18 @@ def choose(
 def choose_vector(
     c: Candidates, net: NetworkModel, near_tie_s: float, rng: random.Random, limit: int
 ) -> list[PairChoice]:
-    """The reference: every pair priced (price_pairs), ranked among the D within the load bound
-    (or, if none of them can place, among all)."""
+    """The reference: every pair priced (price_pairs_pulling), ranked among the D within the
+    load bound (or, if none of them can place, among all)."""
     d_cached = np.asarray(c.d_cached, dtype=np.int64)
     d_pop, p_pop = np.asarray(c.d_pop, dtype=np.intp), np.asarray(c.p_pop, dtype=np.intp)
-    prices = price_pairs(
+    prices = price_pairs_pulling(
         net, c.prompt, c.kv_bytes_per_token, c.chunk_tokens,
         np.asarray(c.d_base_s, dtype=np.float64), d_cached,
         np.asarray(c.local_queue_s, dtype=np.float64),
         np.asarray(c.local_s_per_token, dtype=np.float64), np.asarray(c.local_ok, dtype=bool),
         np.asarray(c.p_cached, dtype=np.int64), np.asarray(c.p_queue_s, dtype=np.float64),
         np.asarray(c.p_s_per_token, dtype=np.float64), np.asarray(c.p_ok, dtype=bool),
-        c.rtt_s[d_pop][:, p_pop], c.work_weight,
+        c.rtt_s[d_pop][:, p_pop], d_pop, c.work_weight,
     )  # fmt: skip
     # What a placement on each D reuses: the prefill not computed, and the pages D need not
     # receive (a D prefilling its own cached prefix reuses it twice over).

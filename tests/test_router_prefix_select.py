@@ -53,16 +53,34 @@ def test_the_daemon_holding_the_prefix_takes_it_and_computes_only_the_suffix() -
 def test_a_prefill_daemon_holding_the_prefix_sends_only_what_decode_lacks() -> None:
     w = _world(prefill_tokens_per_s=2000.0)
     # Decode holds 10 blocks, so the pages of 30 move; prefill on the holder of 40 computes 160.
-    # Roles make the pair the only way: URLS[1] may only prefill, URLS[0] only decode.
+    # Roles make the pair the only way: URLS[1] may only prefill, URLS[0] only decode; the
+    # other prefill daemons are slower, even receiving decode's 10 blocks instead of computing.
     w.beat(URLS[1], role="prefill", running=0, in_flight=0, prefill_tokens_per_s=2000.0)
     w.beat(URLS[0], role="decode", running=0, in_flight=0, local_prefill_threshold=0)
     for u in URLS[2:]:
-        w.beat(u, role="prefill", running=0, in_flight=0)
+        w.beat(u, role="prefill", running=0, in_flight=0, prefill_tokens_per_s=1000.0)
     f = _hits(800, {URLS[0]: 10, URLS[1]: 40})
     (p,) = _place(w, f)
     assert (p.decode.url, p.prefill and p.prefill.url) == (URLS[0], URLS[1])
     assert (p.prefill_cached, p.decode_cached, p.computed_tokens) == (640, 160, 160)
     assert p.breakdown["kv_s"] > 0
+
+
+def test_a_prefill_daemon_is_priced_receiving_what_its_decode_daemon_holds() -> None:
+    # The decode daemon holds the whole conversation (50 blocks), the prefill daemons none of
+    # it: inside a PoP the pages cost less to receive than to recompute, so the pair is priced
+    # with the pull (kv_pull), as the daemons will run it.
+    w = _world(prefill_tokens_per_s=2000.0)
+    w.beat(URLS[0], role="decode", running=0, in_flight=0, local_prefill_threshold=0)
+    for u in URLS[1:]:
+        w.beat(u, role="prefill", running=0, in_flight=0, prefill_tokens_per_s=2000.0)
+    f = _hits(801, {URLS[0]: 50})
+    (p,) = _place(w, f)
+    assert p.decode.url == URLS[0] and p.prefill is not None
+    assert (p.prefill_cached, p.decode_cached, p.computed_tokens) == (800, 800, 1)
+    assert p.breakdown["prefill_compute_s"] == 1 / 2000.0
+    # The pull's time is on the prefill side's queue: the pages first, then the suffix.
+    assert 0 < p.breakdown["prefill_queue_s"] < 800 / 2000.0
 
 
 def test_equal_hits_spread_by_load_and_the_guard_caps_a_hot_prefix() -> None:

@@ -8,10 +8,9 @@ import pytest
 
 from edgeinfer.router.kv_pull import price_pull
 from edgeinfer.router.network import NetworkModel
-from edgeinfer.router.prefix_scoring import price_pairs
+from edgeinfer.router.prefix_scoring import price_pairs, price_pairs_pulling
 from edgeinfer.sim.metrics import prefix_hits
 from edgeinfer.sim.policies import make_policy
-from edgeinfer.sim.prefix_policies import price_pairs_pulling
 from edgeinfer.sim.scenario import placement_config
 from edgeinfer.sim.simulator import SimResult, Simulation
 from edgeinfer.sim.topology import Split

@@ -13,32 +13,20 @@ The RTT floor is :meth:`NetworkModel.rtt_floor_to_point_s`'s: ``acos(dot) * s_pe
 fixed_rtt_s``, with the router's measured RTT to the daemon's PoP when that is larger (a client
 in the router's catchment). A test holds the two to the same figures.
 
-Compiled on first use and cached on disk, as the kernels' numba code is; the router warms them
+Compiled on first use and cached on disk (:mod:`edgeinfer.router.jit`); the router warms them
 when it starts (:func:`warm`) so that no request waits for the compiler.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 from numba import njit
 
+from edgeinfer.router.jit import compiled
 from edgeinfer.router.load_columns import DState, PState, Row
 from edgeinfer.router.network import FloatArray, IntArray, NetworkModel
-
-
-def compiled(fn: Callable[..., Any]) -> Any:
-    """``fn`` compiled by numba, its code cached on disk (beside this file, in the user's cache or
-    in ``NUMBA_CACHE_DIR``); where none of them is writable numba refuses the cache at import,
-    and the passes are compiled at every start instead (~15-20 s for all the router's)."""
-    try:
-        return njit(cache=True, nogil=True, boundscheck=False)(fn)
-    except RuntimeError:
-        return njit(nogil=True, boundscheck=False)(fn)
-
 
 # A chord equal to its arc (a daemon where the client is) may round a hair above the exact
 # floor: bounds within this of the k-th best are computed exactly rather than skipped.

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from edgeinfer.router.candidate_cut import compiled
+from edgeinfer.router.jit import compiled
 from edgeinfer.router.load_columns import DLoad, DState, PState, Row, Totals
 from edgeinfer.router.network import FloatArray, IntArray
 

@@ -16,14 +16,19 @@ show it before they are priced:
   ``limit``-th best score, or the best plus ``near_tie_s`` (its near-ties);
 - daemons above the load guard's bound are no candidates (P: no pair; D: ranked only when no D
   within it can place, as before).
+- a D holding more of the prompt than some P can have that P receive the pages instead of
+  computing them (:func:`~edgeinfer.router.prefix_scoring.price_pairs_pulling`, the daemons'
+  ``kv_pull``): its pairs are priced against every P, unpruned (:func:`_price_pulling`), since
+  a pull can shrink what P computes and the P order by bound no longer holds; its floor is P's
+  queue and compute of what neither holds. Such D are the holders, a few a request.
 
 What is left (~5 D, ~10 pairs) is priced in one compiled pass (:func:`search`), with
 price_pairs' expressions in its order of operations, so scores are equal to the last bit, and
 :func:`rank_found` and :func:`draw` order them as :func:`~edgeinfer.router.prefix_scoring.rank`
 would all of them: the choice (ties and the random draws among near-ties included) is the one
 pricing every pair gives, which ``tests/test_prefix_pairs.py`` checks on random candidates
-against price_pairs and rank. A pair is near (the LAN's rate, no RTT) where the RTT between its
-PoPs is 0, as price_pairs has it: D's own PoP, and any PoP at the same place when
+against price_pairs_pulling and rank. A pair is near (the LAN's rate, no RTT) where the RTT
+between its PoPs is 0, as price_pairs has it: D's own PoP, and any PoP at the same place when
 ``fixed_rtt_ms`` is 0. When nothing prunes (every pair a tie, e.g. idle identical daemons) the
 pass prices every pair, a few nanoseconds each.
 """
@@ -35,7 +40,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgeinfer.router.candidate_cut import compiled
+from edgeinfer.router.jit import compiled
 from edgeinfer.router.network import FloatArray, IntArray
 from edgeinfer.router.prefix_scoring import BoolArray
 
@@ -99,13 +104,13 @@ def search(
     ps = keep[order]
     ps_bound, ps_compute, ps_tokens = p_bound[order], p_compute[order], p_tokens[order]
     out = _search(prompt, kvb, chunk, w, d_base, d_cached, local_queue, local_spt, local_ok,
-                  d_ok, d_pop, p_queue, p_pop, rtt_s, far_bps, near_bps, near_tie_s, limit, ps,
-                  ps_bound, ps_compute, ps_tokens)  # fmt: skip
+                  d_ok, d_pop, p_cached, p_queue, p_spt, p_pop, rtt_s, far_bps, near_bps,
+                  near_tie_s, limit, ps, ps_bound, ps_compute, ps_tokens)  # fmt: skip
     if out.shape[0] == 0:
         out = _search(prompt, kvb, chunk, w, d_base, d_cached, local_queue, local_spt,
-                      local_ok, np.ones(d_ok.shape[0], np.bool_), d_pop, p_queue, p_pop, rtt_s,
-                      far_bps, near_bps, near_tie_s, limit, ps, ps_bound, ps_compute,
-                      ps_tokens)  # fmt: skip
+                      local_ok, np.ones(d_ok.shape[0], np.bool_), d_pop, p_cached, p_queue, p_spt,
+                      p_pop, rtt_s, far_bps, near_bps, near_tie_s, limit, ps, ps_bound,
+                      ps_compute, ps_tokens)  # fmt: skip
     return out[_stable_order(out[:, D])]
 
 
@@ -175,14 +180,19 @@ def _stable_order(keys: FloatArray) -> IntArray:
 def _search(
     prompt: int, kvb: int, chunk: int, w: float, d_base: FloatArray, d_cached: IntArray,
     local_queue: FloatArray, local_spt: FloatArray, local_ok: BoolArray, allowed: BoolArray,
-    d_pop: IntArray, p_queue: FloatArray, p_pop: IntArray, rtt_s: FloatArray, far_bps: float,
-    near_bps: float, near_tie_s: float, limit: int, ps: IntArray, ps_bound: FloatArray,
-    ps_compute: FloatArray, ps_tokens: IntArray,
+    d_pop: IntArray, p_cached: IntArray, p_queue: FloatArray, p_spt: FloatArray,
+    p_pop: IntArray, rtt_s: FloatArray, far_bps: float, near_bps: float, near_tie_s: float,
+    limit: int, ps: IntArray, ps_bound: FloatArray, ps_compute: FloatArray, ps_tokens: IntArray,
 ) -> FloatArray:  # fmt: skip
     """Each allowed D that rank can return, priced exactly (module doc), in the order found."""
     inf = np.inf
     n_d, n_ps = d_base.shape[0], ps.shape[0]
     cheapest = ps_bound[0] if n_ps else inf
+    # A D holding more than some P can pull (_price_pulling): its pairs are priced apart.
+    least_p = prompt
+    for m in range(n_ps):
+        if p_cached[ps[m]] < least_p:
+            least_p = p_cached[ps[m]]
     # Per D: its floor and price_pairs' terms for it (the transfer: the blocks D lacks move,
     # at least the last chunk's share of them stays exposed).
     floor = np.empty(n_d, np.float64)
@@ -215,6 +225,10 @@ def _search(
         low = cheapest + fl * sh
         if own >= 0 and ps_bound[own] + nl * sh < low:
             low = ps_bound[own] + nl * sh
+        if d_cached[i] > least_p:
+            # With pulls, P computes at least what neither holds (the pull's time aside).
+            low = _pull_floor(prompt, w, d_cached[i], p_cached, p_queue, p_spt, ps)
+            low += (nl if nl < fl else fl) * sh
         floor[i] = d_base[i] + (ls if ls < low else low)
         local[i], local_score[i], local_compute[i], share[i] = lq, ls, lc, sh
         far_link[i], near_link[i], own_first[i] = fl, nl, own
@@ -243,8 +257,16 @@ def _search(
         best_s, best_j = inf, -1
         best_total = best_queue = best_compute = best_kv = 0.0
         best_tokens = 0
-        # The near P (no RTT), then the others, each cheapest first.
-        for near in (True, False):
+        pulling = d_cached[i] > least_p
+        if pulling:
+            best_s, best_j, best_total, best_queue, best_compute, best_kv, best_tokens = (
+                _price_pulling(prompt, kvb, w, d_cached[i], dp, far_link[i], near_link[i],
+                               share[i], p_cached, p_queue, p_spt, p_pop, rtt_s, far_bps,
+                               near_bps, ps)
+            )  # fmt: skip
+        # The near P (no RTT), then the others, each cheapest first (a D that can pull: above).
+        for k in range(0 if pulling else 2):
+            near = k == 0
             start = own_first[i] if near else 0
             if start < 0:
                 continue
@@ -296,3 +318,60 @@ def _search(
         scores[k] = row[SCORE]
         n_scores += 1
     return out[:n_scores]
+
+
+@compiled
+def _pull_floor(
+    prompt: int, w: float, held: int, p_cached: IntArray, p_queue: FloatArray, p_spt: FloatArray,
+    ps: IntArray,
+) -> float:  # fmt: skip
+    """The least any pair with a D holding ``held`` tokens can cost before its transfer: P's
+    queue and compute (weighted) of what neither P nor D holds."""
+    low = np.inf
+    for m in range(ps.shape[0]):
+        j = ps[m]
+        spared = p_cached[j] if p_cached[j] > held else held
+        compute = (prompt - spared) * p_spt[j]
+        bound = p_queue[j] + compute + w * compute
+        if bound < low:
+            low = bound
+    return low
+
+
+@compiled
+def _price_pulling(
+    prompt: int, kvb: int, w: float, held: int, dp: int, far_link: float, near_link: float,
+    share: float, p_cached: IntArray, p_queue: FloatArray, p_spt: FloatArray, p_pop: IntArray,
+    rtt_s: FloatArray, far_bps: float, near_bps: float, ps: IntArray,
+) -> tuple[float, int, float, float, float, float, int]:  # fmt: skip
+    """A D holding ``held`` prompt tokens (in PoP ``dp``) against every P, each P receiving
+    what D holds beyond its own hits where that is cheaper than computing it
+    (:func:`edgeinfer.router.kv_pull.price_pull`'s rule and arithmetic), as
+    :func:`~edgeinfer.router.prefix_scoring.price_pairs_pulling` prices it: the best (score, P,
+    TTFT part, queue with the pull, compute, transfer, computed tokens). Not pruned: the P order
+    by bound does not hold once a pull can shrink what P computes, and such D are few (the
+    holders)."""
+    best_s, best_j = np.inf, -1
+    best_total = best_queue = best_compute = best_kv = 0.0
+    best_tokens = 0
+    for m in range(ps.shape[0]):
+        j = ps[m]
+        rtt = rtt_s[dp, p_pop[j]]
+        near = not rtt > 0.0
+        queue, tokens = p_queue[j], prompt - p_cached[j]
+        extra = held - p_cached[j]
+        if extra > 0:
+            pull_s = rtt + extra * kvb / (near_bps if near else far_bps)
+            if pull_s < extra * p_spt[j]:
+                queue, tokens = queue + pull_s, prompt - (p_cached[j] + extra)
+        compute = tokens * p_spt[j]
+        link = near_link if near else far_link
+        hidden, exposed = link - compute, link * share
+        kv = (hidden if hidden > exposed else exposed) + rtt
+        total = queue + compute + kv
+        score = total + w * compute
+        if score < best_s or (score == best_s and j < best_j):
+            best_s, best_j = score, j
+            best_total, best_queue, best_compute, best_kv = total, queue, compute, kv
+            best_tokens = tokens
+    return best_s, best_j, best_total, best_queue, best_compute, best_kv, best_tokens

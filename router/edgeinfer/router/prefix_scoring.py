@@ -40,6 +40,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from edgeinfer.router.kv_pull import price_pull
 from edgeinfer.router.network import FloatArray, NetworkModel
 
 H = TypeVar("H", bound=Hashable)
@@ -153,6 +154,52 @@ def price_pairs(
     ttft = d_base_s + np.where(use_local, local, remote)
     score = d_base_s + np.where(use_local, local_score, remote_score)
     return PairPrices(ttft, score, prefill, queue, compute, kv_s, tokens.astype(np.int64))
+
+
+def price_pairs_pulling(
+    net: NetworkModel, prompt: int, kv_bytes_per_token: int, chunk_tokens: int,
+    d_base_s: FloatArray, d_cached: npt.NDArray[np.int64], local_queue_s: FloatArray,
+    local_s_per_token: FloatArray, local_ok: BoolArray, p_cached: npt.NDArray[np.int64],
+    p_queue_s: FloatArray, p_s_per_token: FloatArray, p_ok: BoolArray, rtt_s: FloatArray,
+    d_pop: npt.NDArray[np.intp] | npt.NDArray[np.int64], work_weight: float,
+) -> PairPrices:  # fmt: skip
+    """:func:`price_pairs` where a prefill daemon receives the blocks its decode daemon holds
+    beyond its own hits when that is cheaper (:func:`~edgeinfer.router.kv_pull.price_pull`, the
+    daemons' rule): for such a pair P computes only what neither holds, after the pull. What
+    the router prices with (its compiled path, :func:`edgeinfer.router.prefix_pairs.search`,
+    gives the same prices) and the simulator's prefix-aware policy too.
+
+    ``price_pairs`` takes P's hits per prefill daemon, not per pair, so the decode daemons
+    holding more than some prefill daemon are priced again in groups sharing their hits and PoP
+    (``d_pop``; within one, the pull's price against each P is the same): P's hits raised by the
+    pull, its queue by the pull's time (not by its work: the link is not the GPU). Decode
+    daemons holding no more than every P keep the first pricing. A handful of groups per
+    request: the holders."""
+    prices = price_pairs(
+        net, prompt, kv_bytes_per_token, chunk_tokens, d_base_s, d_cached, local_queue_s,
+        local_s_per_token, local_ok, p_cached, p_queue_s, p_s_per_token, p_ok, rtt_s,
+        work_weight,
+    )  # fmt: skip
+    if not len(p_cached):
+        return prices
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in np.flatnonzero(d_cached > p_cached.min()).tolist():
+        groups.setdefault((int(d_cached[i]), int(d_pop[i])), []).append(i)
+    if not groups:
+        return prices
+    out = {f.name: np.array(getattr(prices, f.name)) for f in dataclasses.fields(PairPrices)}
+    for (held, _), rows in groups.items():
+        pull = price_pull(net, prompt, p_cached, held, p_s_per_token, kv_bytes_per_token,
+                          rtt_s[rows[0]])  # fmt: skip
+        sub = price_pairs(
+            net, prompt, kv_bytes_per_token, chunk_tokens, d_base_s[rows], d_cached[rows],
+            local_queue_s[rows], local_s_per_token[rows], local_ok[rows],
+            p_cached + pull.pulled_tokens, p_queue_s + pull.pull_s, p_s_per_token, p_ok,
+            rtt_s[rows], work_weight,
+        )  # fmt: skip
+        for name, column in out.items():
+            column[rows] = getattr(sub, name)
+    return PairPrices(**out)
 
 
 def rank(

@@ -4,9 +4,11 @@ The prefix-blind selector (:mod:`edgeinfer.router.selector`) prices a pruned set
 daemons against a pool of cheap prefill daemons. With prefix hits the candidates are that same
 pruned set plus the daemons holding the prefix (the best holders, those within the load bound),
 and the prefill side that pool plus the candidates' co-located peers plus the prefill daemons
-holding the prefix. Each pair is priced as :func:`edgeinfer.router.prefix_scoring.price_pairs`
-does (the prefill daemon computes only the suffix it lacks, the transfer moves only the blocks
-the decode daemon lacks), but only the pairs that can place the request
+holding the prefix. Each pair is priced as
+:func:`edgeinfer.router.prefix_scoring.price_pairs_pulling` does (the prefill daemon computes
+only the suffix it lacks, after receiving what its decode daemon holds beyond it where that is
+cheaper; the transfer moves only the blocks the decode daemon lacks), but only the pairs that
+can place the request
 (:mod:`edgeinfer.router.prefix_pairs`: bounds by RTT, transfer and load first). The load guard
 (:func:`~edgeinfer.router.prefix_scoring.under_bound`) keeps a hot prefix from making its
 holders a hot spot: a daemon above ``1 + load_eps`` times the mean load is no candidate, and
@@ -34,7 +36,8 @@ import random
 
 import numpy as np
 
-from edgeinfer.router.candidate_cut import KEY_LONG, KEY_SHORT, ClientRtt, compiled, rtt_of
+from edgeinfer.router.candidate_cut import KEY_LONG, KEY_SHORT, ClientRtt, rtt_of
+from edgeinfer.router.jit import compiled
 from edgeinfer.router.load_arrays import LoadArrays
 from edgeinfer.router.load_columns import DLoad, DState, PState, Row
 from edgeinfer.router.network import FloatArray, IntArray, NetworkModel

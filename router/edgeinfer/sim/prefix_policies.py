@@ -22,7 +22,6 @@ here records what it sends in the registry's ledger, as the others do.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import random
@@ -31,15 +30,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from edgeinfer.router.inflight import PlacementLedger
-from edgeinfer.router.kv_pull import price_pull
 from edgeinfer.router.load_columns import Row
-from edgeinfer.router.network import IntArray, NetworkModel
+from edgeinfer.router.network import NetworkModel
 from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.pop_registry import DaemonView
 from edgeinfer.router.prefix_scoring import (
-    PairPrices,
     cached_tokens,
-    price_pairs,
+    price_pairs_pulling,
     rank,
     under_bound,
 )
@@ -63,49 +60,6 @@ def _mix(x: int) -> int:
 
 def _url_hash(url: str) -> int:
     return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little")
-
-
-def price_pairs_pulling(
-    net: NetworkModel, prompt: int, kv_bytes_per_token: int, chunk_tokens: int,
-    d_base_s: np.ndarray, d_cached: np.ndarray, local_queue_s: np.ndarray,
-    local_s_per_token: np.ndarray, local_ok: np.ndarray, p_cached: np.ndarray,
-    p_queue_s: np.ndarray, p_s_per_token: np.ndarray, p_ok: np.ndarray, rtt_s: np.ndarray,
-    d_pop: IntArray, work_weight: float,
-) -> PairPrices:  # fmt: skip
-    """:func:`price_pairs` where a prefill daemon receives the blocks its decode daemon holds
-    beyond its own hits when that is cheaper (:func:`price_pull`): for such a pair P computes
-    only what neither holds, after the pull.
-
-    ``price_pairs`` takes P's hits per prefill daemon, not per pair, so the decode daemons
-    holding more than some prefill daemon are priced again in groups sharing their hits and PoP
-    (within one, the pull's price against each P is the same): P's hits raised by the pull, its
-    queue by the pull's time (not by its work: the link is not the GPU). Decode daemons holding
-    no more than every P keep the first pricing. A handful of groups per request: the holders."""
-    prices = price_pairs(
-        net, prompt, kv_bytes_per_token, chunk_tokens, d_base_s, d_cached, local_queue_s,
-        local_s_per_token, local_ok, p_cached, p_queue_s, p_s_per_token, p_ok, rtt_s,
-        work_weight,
-    )  # fmt: skip
-    if not len(p_cached):
-        return prices
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i in np.flatnonzero(d_cached > p_cached.min()).tolist():
-        groups.setdefault((int(d_cached[i]), int(d_pop[i])), []).append(i)
-    if not groups:
-        return prices
-    out = {f.name: np.array(getattr(prices, f.name)) for f in dataclasses.fields(PairPrices)}
-    for (held, _), rows in groups.items():
-        pull = price_pull(net, prompt, p_cached, held, p_s_per_token, kv_bytes_per_token,
-                          rtt_s[rows[0]])  # fmt: skip
-        sub = price_pairs(
-            net, prompt, kv_bytes_per_token, chunk_tokens, d_base_s[rows], d_cached[rows],
-            local_queue_s[rows], local_s_per_token[rows], local_ok[rows],
-            p_cached + pull.pulled_tokens, p_queue_s + pull.pull_s, p_s_per_token, p_ok,
-            rtt_s[rows], work_weight,
-        )  # fmt: skip
-        for name, column in out.items():
-            column[rows] = getattr(sub, name)
-    return PairPrices(**out)
 
 
 class MaxPrefixPolicy(_Baseline):
