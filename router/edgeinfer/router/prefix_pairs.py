@@ -39,6 +39,7 @@ import random
 from collections.abc import Callable
 
 import numpy as np
+from numba import njit
 
 from edgeinfer.router.jit import compiled
 from edgeinfer.router.network import FloatArray, IntArray
@@ -287,10 +288,7 @@ def _search(
                     if lower + rtt + far_floor > lim:
                         continue
                 queue, compute = p_queue[j], ps_compute[m]
-                hidden, exposed = link - compute, link * share[i]
-                kv = (hidden if hidden > exposed else exposed) + rtt
-                total = queue + compute + kv
-                score = total + w * compute
+                kv, total, score = _priced(queue, compute, link, share[i], rtt, w)
                 if score < best_s or (score == best_s and j < best_j):
                     best_s, best_j = score, j
                     best_total, best_queue, best_compute, best_kv = total, queue, compute, kv
@@ -318,6 +316,18 @@ def _search(
         scores[k] = row[SCORE]
         n_scores += 1
     return out[:n_scores]
+
+
+@njit(inline="always")
+def _priced(
+    queue: float, compute: float, link: float, share: float, rtt: float, w: float
+) -> tuple[float, float, float]:
+    """One pair, as price_pairs prices it: the transfer's exposed part (behind P's compute but
+    its last chunk's share, the RTT on top), the TTFT part and the score."""
+    hidden, exposed = link - compute, link * share
+    kv = (hidden if hidden > exposed else exposed) + rtt
+    total = queue + compute + kv
+    return kv, total, total + w * compute
 
 
 @compiled
@@ -366,10 +376,7 @@ def _price_pulling(
                 queue, tokens = queue + pull_s, prompt - (p_cached[j] + extra)
         compute = tokens * p_spt[j]
         link = near_link if near else far_link
-        hidden, exposed = link - compute, link * share
-        kv = (hidden if hidden > exposed else exposed) + rtt
-        total = queue + compute + kv
-        score = total + w * compute
+        kv, total, score = _priced(queue, compute, link, share, rtt, w)
         if score < best_s or (score == best_s and j < best_j):
             best_s, best_j = score, j
             best_total, best_queue, best_compute, best_kv = total, queue, compute, kv
