@@ -222,14 +222,15 @@ def _search(
                 own = m
                 break
         # The cheapest D could be: P near it (the LAN's share exposed), or any P elsewhere
-        # (the far link's share exposed, the RTT on top), or local prefill.
-        low = cheapest + fl * sh
-        if own >= 0 and ps_bound[own] + nl * sh < low:
-            low = ps_bound[own] + nl * sh
+        # (the far link's share exposed, the RTT on top), or local prefill. A D that can pull:
+        # P computes at least what neither holds (the pull's time aside), over either link.
         if d_cached[i] > least_p:
-            # With pulls, P computes at least what neither holds (the pull's time aside).
             low = _pull_floor(prompt, w, d_cached[i], p_cached, p_queue, p_spt, ps)
             low += (nl if nl < fl else fl) * sh
+        else:
+            low = cheapest + fl * sh
+            if own >= 0 and ps_bound[own] + nl * sh < low:
+                low = ps_bound[own] + nl * sh
         floor[i] = d_base[i] + (ls if ls < low else low)
         local[i], local_score[i], local_compute[i], share[i] = lq, ls, lc, sh
         far_link[i], near_link[i], own_first[i] = fl, nl, own

@@ -85,8 +85,7 @@ def hit_rate_bounds(blocks: Sequence[Sequence[int]], capacity_blocks: int) -> di
     if not asked:
         return {"infinite": 0.0, "pooled": 0.0}
     seen: set[int] = set()
-    pooled = FleetCaches(1, capacity_blocks)
-    inf_hits = pool_hits = 0
+    inf_hits = 0
     for keys in blocks:
         n = 0
         for key in keys:
@@ -95,9 +94,8 @@ def hit_rate_bounds(blocks: Sequence[Sequence[int]], capacity_blocks: int) -> di
             n += 1
         inf_hits += n
         seen.update(keys)
-        pool_hits += pooled.lookup(0, keys)
-        pooled.insert(0, keys)
-    return {"infinite": inf_hits / asked, "pooled": pool_hits / asked}
+    pooled = pooled_rate_by_group(blocks, [""] * len(blocks), {"": capacity_blocks})
+    return {"infinite": inf_hits / asked, "pooled": pooled}
 
 
 def pooled_rate_by_group(
